@@ -1,0 +1,4 @@
+"""Code both the router and the worker use: wire types, Redis keys, config, stats schema.
+
+Nothing here imports MLX or FastAPI.
+"""

@@ -1,0 +1,183 @@
+"""Configuration: `config/defaults.toml`, then environment variables, then CLI flags.
+
+Validated once at start (pydantic), so a bad value fails with a message naming its source, not on
+the first request. Read once per process: nothing on the hot path looks at the environment.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+DEFAULTS_PATH = Path(__file__).resolve().parent.parent / "config" / "defaults.toml"
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message says which and where from."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RedisConfig(_Section):
+    url: str = ""
+
+    @field_validator("url")
+    @classmethod
+    def _scheme(cls, v: str) -> str:
+        if v and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return v
+
+
+class RouterConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    processes: int = Field(2, ge=1, le=64)
+    request_timeout_s: float = Field(600, gt=0)
+
+
+class ModelConfig(_Section):
+    path: str = ""
+    id: str = ""
+    cache_dir: str = "~/.cache/mlxcel-pool"
+
+
+class WorkerConfig(_Section):
+    id: str = ""
+    batch_size: int = Field(32, ge=1, le=1024)
+    prefill_batch_size: int = Field(8, ge=1, le=1024)
+    prefill_step_size: int = Field(256, ge=1)
+    default_max_tokens: int = Field(256, ge=1)
+    job_timeout_s: int = Field(900, ge=1)
+    # > 0: a rotating (sliding-window) KV cache of this many tokens; its prompt cache is
+    # snapshot-only since such a cache cannot be cut back.
+    max_kv_size: int = Field(0, ge=0)
+
+    @field_validator("id")
+    @classmethod
+    def _id_chars(cls, v: str) -> str:
+        if v and not all(c.isalnum() or c in "-_." for c in v):
+            raise ValueError("may hold only letters, digits, '-', '_' and '.'")
+        return v
+
+
+class PromptCacheConfig(_Section):
+    enabled: bool = True
+    capacity_bytes: int = Field(2 * 1024**3, ge=0)
+    max_entries: int = Field(1024, ge=0)
+    ttl_s: float = Field(3600, gt=0)
+    min_prefix_tokens: int = Field(32, ge=0)
+    apc_enabled: bool = True
+    apc_block_size: int = Field(16, ge=1)
+    apc_hash: Literal["sha256", "sha1", "blake2b"] = "sha256"
+    storage: Literal["auto", "dense", "paged"] = "auto"
+    paged_block_size: int = Field(32, ge=1)
+    paged_block_budget: int = Field(0, ge=0)
+    snapshot_capacity_bytes: int = Field(512 * 1024**2, ge=0)
+    snapshot_max_entries: int = Field(4096, ge=0)
+    snapshot_ttl_s: float = Field(7200, gt=0)
+    trace: bool = False
+
+
+class MetricsConfig(_Section):
+    multiproc_dir: str = ""
+
+
+class Settings(_Section):
+    redis: RedisConfig = RedisConfig()
+    router: RouterConfig = RouterConfig()
+    model: ModelConfig = ModelConfig()
+    worker: WorkerConfig = WorkerConfig()
+    prompt_cache: PromptCacheConfig = PromptCacheConfig()
+    metrics: MetricsConfig = MetricsConfig()
+
+    @property
+    def cache_dir(self) -> Path:
+        return Path(os.path.expanduser(self.model.cache_dir))
+
+    @property
+    def multiproc_dir(self) -> Path:
+        d = self.metrics.multiproc_dir
+        return Path(os.path.expanduser(d)) if d else self.cache_dir / "prom_multiproc"
+
+
+# Environment variable -> (section, key). The prompt-cache names are the spec's interface.
+ENV_VARS: dict[str, tuple[str, str]] = {
+    "REDIS_URL": ("redis", "url"),
+    "MLXCEL_HOST": ("router", "host"),
+    "MLXCEL_PORT": ("router", "port"),
+    "MLXCEL_ROUTER_PROCESSES": ("router", "processes"),
+    "MLXCEL_REQUEST_TIMEOUT_S": ("router", "request_timeout_s"),
+    "MLXCEL_MODEL": ("model", "path"),
+    "MLXCEL_MODEL_ID": ("model", "id"),
+    "MLXCEL_CACHE_DIR": ("model", "cache_dir"),
+    "MLXCEL_WORKER_ID": ("worker", "id"),
+    "MLXCEL_BATCH_SIZE": ("worker", "batch_size"),
+    "MLXCEL_PREFILL_BATCH_SIZE": ("worker", "prefill_batch_size"),
+    "MLXCEL_PREFILL_STEP_SIZE": ("worker", "prefill_step_size"),
+    "MLXCEL_DEFAULT_MAX_TOKENS": ("worker", "default_max_tokens"),
+    "MLXCEL_JOB_TIMEOUT_S": ("worker", "job_timeout_s"),
+    "MLXCEL_MAX_KV_SIZE": ("worker", "max_kv_size"),
+    "MLXCEL_PROMPT_CACHE_ENABLED": ("prompt_cache", "enabled"),
+    "MLXCEL_PROMPT_CACHE_CAPACITY_BYTES": ("prompt_cache", "capacity_bytes"),
+    "MLXCEL_PROMPT_CACHE_MAX_ENTRIES": ("prompt_cache", "max_entries"),
+    "MLXCEL_PROMPT_CACHE_TTL": ("prompt_cache", "ttl_s"),
+    "MLXCEL_PROMPT_CACHE_MIN_PREFIX": ("prompt_cache", "min_prefix_tokens"),
+    "APC_ENABLED": ("prompt_cache", "apc_enabled"),
+    "APC_BLOCK_SIZE": ("prompt_cache", "apc_block_size"),
+    "APC_HASH": ("prompt_cache", "apc_hash"),
+    "MLXCEL_SERVER_DECODE_STORAGE": ("prompt_cache", "storage"),
+    "MLXCEL_PAGED_BLOCK_BUDGET": ("prompt_cache", "paged_block_budget"),
+    "MLXCEL_PROMPT_CACHE_SNAPSHOT_CAPACITY_BYTES": ("prompt_cache", "snapshot_capacity_bytes"),
+    "MLXCEL_PROMPT_CACHE_SNAPSHOT_MAX_ENTRIES": ("prompt_cache", "snapshot_max_entries"),
+    "MLXCEL_PROMPT_CACHE_SNAPSHOT_TTL": ("prompt_cache", "snapshot_ttl_s"),
+    "PROMETHEUS_MULTIPROC_DIR": ("metrics", "multiproc_dir"),
+}
+
+# The trace switch has its own exact rule (spec): on only for the exact value "1".
+TRACE_ENV = "MLXCEL_APC_TRACE"
+
+
+def trace_enabled(environ: dict[str, str] | None = None) -> bool:
+    env = os.environ if environ is None else environ
+    return env.get(TRACE_ENV) == "1"
+
+
+def load_settings(
+    overrides: dict[str, dict[str, Any]] | None = None,
+    environ: dict[str, str] | None = None,
+    defaults_path: Path = DEFAULTS_PATH,
+) -> Settings:
+    """Defaults from TOML, then environment, then `overrides` (CLI flags, {section: {key: v}})."""
+    env = dict(os.environ if environ is None else environ)
+    try:
+        data: dict[str, dict[str, Any]] = tomllib.loads(defaults_path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read {defaults_path}: {exc}") from exc
+    sources: dict[tuple[str, str], str] = {}
+    for var, (section, key) in ENV_VARS.items():
+        if var in env:
+            data.setdefault(section, {})[key] = env[var]
+            sources[(section, key)] = f"environment variable {var}={env[var]!r}"
+    data.setdefault("prompt_cache", {})["trace"] = trace_enabled(env)
+    for section, values in (overrides or {}).items():
+        for key, value in values.items():
+            if value is not None:
+                data.setdefault(section, {})[key] = value
+                sources[(section, key)] = f"command-line option for {section}.{key}={value!r}"
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            loc = tuple(str(p) for p in err["loc"])
+            where = sources.get(loc[:2]) if len(loc) >= 2 else None
+            name = ".".join(loc)
+            lines.append(f"  {name}: {err['msg']}" + (f" (from {where})" if where else ""))
+        raise ConfigError("invalid configuration:\n" + "\n".join(lines)) from None

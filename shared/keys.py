@@ -1,0 +1,115 @@
+"""Every Redis key the pool writes, built in one place (docs/redis-keys.md is checked against it).
+
+rq owns its own keys (`rq:queue:<name>`, `rq:job:<id>`, registries, `rq:worker:<name>`); we only
+choose the queue and worker names. Everything else lives under one prefix, `mlxcel:`.
+
+| key | type | owner | TTL |
+|---|---|---|---|
+| `mlxcel:req:<req_id>:stream` | stream | worker writes, router reads | REQUEST_TTL_S |
+| `mlxcel:req:<req_id>:cancel` | string | router writes, worker reads | REQUEST_TTL_S |
+| `mlxcel:workers` | set | worker adds itself | none (the pool's roster: totals outlive workers) |
+| `mlxcel:worker:<wid>:info` | hash | worker | LIVENESS_TTL_S (its liveness) |
+| `mlxcel:worker:<wid>:cache:counters` | hash | worker (HINCRBY) | none: counts never go backwards |
+| `mlxcel:worker:<wid>:cache:gauges` | hash | worker (HSET) | LIVENESS_TTL_S |
+| `mlxcel:worker:<wid>:cache:last_reject` | hash | worker | none |
+| `mlxcel:worker:<wid>:control` | list | router pushes, worker pops | CONTROL_TTL_S |
+| `mlxcel:control:<reply_id>:reply` | list | worker pushes, router pops | CONTROL_TTL_S |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = "mlxcel"
+
+# Per-request keys expire even when a client or a worker vanishes mid-request.
+REQUEST_TTL_S = 600
+# A worker is alive while its info hash exists; it refreshes this well within the TTL.
+LIVENESS_TTL_S = 15
+HEARTBEAT_INTERVAL_S = 3.0
+CONTROL_TTL_S = 60
+
+# rq queue names (rq builds `rq:queue:<name>` itself).
+SHARED_QUEUE = "mlxcel"
+
+
+def worker_queue_name(worker_id: str) -> str:
+    """Per-worker rq queue (cache-aware routing sends work here; workers listen on it first)."""
+    return f"{SHARED_QUEUE}.worker.{worker_id}"
+
+
+def rq_worker_name(worker_id: str) -> str:
+    """The name the worker registers under in rq (`rq info`, rq-dashboard)."""
+    return f"mlxcel-{worker_id}"
+
+
+def request_stream(req_id: str) -> str:
+    return f"{PREFIX}:req:{req_id}:stream"
+
+
+def request_cancel(req_id: str) -> str:
+    return f"{PREFIX}:req:{req_id}:cancel"
+
+
+def workers_roster() -> str:
+    return f"{PREFIX}:workers"
+
+
+def worker_info(worker_id: str) -> str:
+    return f"{PREFIX}:worker:{worker_id}:info"
+
+
+def worker_cache_counters(worker_id: str) -> str:
+    return f"{PREFIX}:worker:{worker_id}:cache:counters"
+
+
+def worker_cache_gauges(worker_id: str) -> str:
+    return f"{PREFIX}:worker:{worker_id}:cache:gauges"
+
+
+def worker_cache_last_reject(worker_id: str) -> str:
+    return f"{PREFIX}:worker:{worker_id}:cache:last_reject"
+
+
+def worker_control(worker_id: str) -> str:
+    return f"{PREFIX}:worker:{worker_id}:control"
+
+
+def control_reply(reply_id: str) -> str:
+    return f"{PREFIX}:control:{reply_id}:reply"
+
+
+# Templates handed to Lua scripts as ARGV (the script substitutes the worker id for `{wid}`),
+# so that no key is formatted outside this module.
+WORKER_KEY_TEMPLATES: dict[str, str] = {
+    "info": worker_info("{wid}"),
+    "counters": worker_cache_counters("{wid}"),
+    "gauges": worker_cache_gauges("{wid}"),
+    "last_reject": worker_cache_last_reject("{wid}"),
+}
+
+
+@dataclass(frozen=True)
+class ParsedKey:
+    kind: str  # "req" or "worker" or "control" or "workers"
+    ident: str  # request id, worker id or reply id ("" for the roster)
+    part: str  # "stream", "cancel", "info", "cache:counters", ...
+
+
+def parse_key(key: str) -> ParsedKey:
+    """Parse a key written by this module back; raises ValueError on anything else."""
+    parts = key.split(":")
+    if not parts or parts[0] != PREFIX:
+        raise ValueError(f"not an mlxcel key: {key!r}")
+    if parts[1:] == ["workers"]:
+        return ParsedKey("workers", "", "")
+    if len(parts) >= 4 and parts[1] in ("req", "worker", "control") and parts[2]:
+        part = ":".join(parts[3:])
+        allowed = {
+            "req": {"stream", "cancel"},
+            "worker": {"info", "cache:counters", "cache:gauges", "cache:last_reject", "control"},
+            "control": {"reply"},
+        }[parts[1]]
+        if part in allowed:
+            return ParsedKey(parts[1], parts[2], part)
+    raise ValueError(f"not an mlxcel key: {key!r}")

@@ -1,0 +1,321 @@
+"""Build a small Llama-architecture model offline (no model hub needed).
+
+Random float32 weights (seeded, so identical everywhere) plus a byte-level BPE tokenizer trained
+on :mod:`worker.corpus` and a ChatML chat template. The result loads with ``mlx_lm.load(dir)``
+and ``transformers.AutoTokenizer.from_pretrained(dir)``. Random weights produce repetitive text
+and rarely emit EOS, which suits load testing: generation length is set by ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+# Import order matters: OpenBLAS must be loaded globally before mlx.core is first imported.
+from worker import blas
+
+blas.preload_openblas()
+
+import argparse  # noqa: E402
+import fcntl  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+from dataclasses import asdict, dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+
+from worker import corpus  # noqa: E402
+
+Progress = Callable[[str], None]
+
+# Bump when anything that changes the built files changes, so cached models get rebuilt.
+BUILDER_VERSION = 1
+BUILD_INFO_FILE = "mlxcel_build.json"
+WEIGHTS_FILE = "model.safetensors"
+
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (BOS, EOS, PAD, IM_START, IM_END)  # ids 0..4, in this order
+
+# ChatML; accepts string content or OpenAI-style lists of {"type": "text", "text": ...} parts.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- elif message['content'] is not none %}"
+    "{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+
+
+MODEL_SIZES: dict[str, ModelSize] = {
+    # Tests and the embedded default: ~0.85M params, builds and decodes in well under a second.
+    "tiny": ModelSize(128, 4, 4, 2, 256, 1024, 2048),
+    # ~50M params: big enough that batching and the prefix cache show in benchmarks.
+    "bench": ModelSize(768, 8, 12, 4, 1344, 8192, 4096),
+}
+
+INIT_STD = 0.02  # HF-style init for embeddings and projections
+# Larger lm_head init spreads the logits (std ~1) so greedy argmax has clear top-1/top-2
+# margins, keeping results stable across batched vs. single-sequence numerics.
+LM_HEAD_GAIN = 1.0
+
+
+def model_dir_name(size: str, seed: int) -> str:
+    return f"mlxcel-{size}-s{seed}"
+
+
+def _report(progress: Progress | None, message: str) -> None:
+    if progress is not None:
+        progress(message)
+
+
+# --- tokenizer ---------------------------------------------------------------------------
+
+
+def train_tokenizer(vocab_size: int) -> Tokenizer:
+    """Byte-level BPE trained on the deterministic corpus; special tokens get ids 0..4."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus.iter_lines(), trainer=trainer)
+    return tok
+
+
+def _tokenizer_config(max_len: int) -> dict[str, object]:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "unk_token": None,
+        "additional_special_tokens": [IM_START, IM_END],
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_len,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def _write_tokenizer(tok: Tokenizer, out: Path, max_len: int) -> None:
+    tok.save(str(out / "tokenizer.json"))
+    _write_json(out / "tokenizer_config.json", _tokenizer_config(max_len))
+    specials = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
+    _write_json(out / "special_tokens_map.json", specials)
+
+
+# --- weights -----------------------------------------------------------------------------
+
+
+def _model_config(spec: ModelSize, vocab_size: int, tok: Tokenizer) -> dict[str, Any]:
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "intermediate_size": spec.intermediate_size,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "bos_token_id": ids[BOS],
+        # <|im_end|> ends a chat turn, so it stops generation too.
+        "eos_token_id": [ids[EOS], ids[IM_END]],
+        "pad_token_id": ids[PAD],
+    }
+
+
+def _parameter_shapes(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes exactly as mlx_lm's Llama expects them (built lazily, never evaluated)."""
+    from mlx_lm.models import llama
+
+    fields = llama.ModelArgs.__dataclass_fields__
+    args = llama.ModelArgs(**{k: v for k, v in config.items() if k in fields})
+    model = llama.Model(args)
+    return [(name, tuple(p.shape)) for name, p in tree_flatten(model.parameters())]
+
+
+def _init_tensor(name: str, shape: tuple[int, ...], key: mx.array, hidden: int) -> mx.array:
+    if name.endswith("norm.weight"):
+        return mx.ones(shape, dtype=mx.float32)
+    std = LM_HEAD_GAIN / hidden**0.5 if name.startswith("lm_head") else INIT_STD
+    return mx.random.normal(shape, dtype=mx.float32, key=key) * std
+
+
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 2 and parts[1] == "layers" else None
+
+
+def init_weights(
+    config: dict[str, Any], seed: int, progress: Progress | None = None
+) -> dict[str, mx.array]:
+    """Seeded float32 weights; tensor i always uses key i, so results don't depend on timing."""
+    shapes = _parameter_shapes(config)
+    keys = mx.random.split(mx.random.key(seed), len(shapes))
+    n_layers = int(config["num_hidden_layers"])
+    hidden = int(config["hidden_size"])
+    weights: dict[str, mx.array] = {}
+    last_layer: int | None = None
+    for i, (name, shape) in enumerate(shapes):
+        layer = _layer_of(name)
+        if layer is not None and layer != last_layer:
+            _report(progress, f"initialising weights layer {layer + 1}/{n_layers}")
+            last_layer = layer
+        weights[name] = _init_tensor(name, shape, keys[i], hidden)
+        mx.eval(weights[name])
+    return weights
+
+
+def count_parameters(weights: dict[str, mx.array]) -> int:
+    return sum(int(w.size) for w in weights.values())
+
+
+# --- build / cache -----------------------------------------------------------------------
+
+
+def _write_json(path: Path, data: object) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _build_into(tmp: Path, size: str, seed: int, progress: Progress | None) -> None:
+    spec = MODEL_SIZES[size]
+    _report(progress, f"training tokenizer (target vocab {spec.vocab_size})")
+    tok = train_tokenizer(spec.vocab_size)
+    # Model vocab == tokenizer vocab: ids the tokenizer can't decode would break detokenizers.
+    vocab_size = tok.get_vocab_size()
+    config = _model_config(spec, vocab_size, tok)
+    weights = init_weights(config, seed, progress)
+    _report(progress, f"saving {count_parameters(weights):,} parameters")
+    mx.save_safetensors(str(tmp / WEIGHTS_FILE), weights, metadata={"format": "mlx"})
+    _write_json(tmp / "config.json", config)
+    _write_tokenizer(tok, tmp, spec.max_position_embeddings)
+    info = {"builder_version": BUILDER_VERSION, "size": size, "seed": seed, **asdict(spec)}
+    info["parameters"] = count_parameters(weights)
+    _write_json(tmp / BUILD_INFO_FILE, info)
+
+
+def _swap_in(tmp: Path, out_dir: Path) -> None:
+    """Atomically publish ``tmp`` as ``out_dir``, replacing any previous build."""
+    old: Path | None = None
+    if out_dir.exists():
+        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}-{time.monotonic_ns()}")
+        os.rename(out_dir, old)
+    os.rename(tmp, out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def build_model(
+    out_dir: Path, size: str = "tiny", seed: int = 0, progress: Progress | None = None
+) -> Path:
+    """Build a model into ``out_dir`` (via a temp dir beside it, then rename). Returns out_dir."""
+    if size not in MODEL_SIZES:
+        raise ValueError(f"unknown model size {size!r}; choose from {sorted(MODEL_SIZES)}")
+    out_dir = Path(out_dir).resolve()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it 0700; the published model should be world-readable
+    try:
+        _build_into(tmp, size, seed, progress)
+        _swap_in(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # no-op after a successful rename
+    _report(progress, f"model ready at {out_dir}")
+    return out_dir
+
+
+def is_built(model_dir: Path) -> bool:
+    """True when ``model_dir`` holds a complete build from this builder version."""
+    try:
+        info = json.loads((model_dir / BUILD_INFO_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return info.get("builder_version") == BUILDER_VERSION and (model_dir / WEIGHTS_FILE).exists()
+
+
+def ensure_model(
+    cache_dir: Path, size: str = "tiny", seed: int = 0, progress: Progress | None = None
+) -> Path:
+    """Return ``cache_dir/models/mlxcel-{size}-s{seed}``, building it once across processes."""
+    models_dir = Path(cache_dir) / "models"
+    models_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = models_dir / model_dir_name(size, seed)
+    if is_built(model_dir):
+        return model_dir
+    lock_path = models_dir / f".{model_dir.name}.lock"
+    with open(lock_path, "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent builder finishes before we look again
+        try:
+            if not is_built(model_dir):
+                build_model(model_dir, size, seed, progress)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return model_dir
+
+
+# --- CLI ---------------------------------------------------------------------------------
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="mlxcel-pool build-model", description="Build a local random-weight Llama model."
+    )
+    parser.add_argument("--size", choices=sorted(MODEL_SIZES), default="tiny")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--out", type=Path, default=None, help="output dir (default: ./models/mlxcel-SIZE-sSEED)"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``mlxcel-pool build-model``: progress on stderr, final path on stdout."""
+    args = _parse_args(argv)
+    out = args.out or Path("models") / model_dir_name(args.size, args.seed)
+    start = time.perf_counter()
+
+    def progress(message: str) -> None:
+        print(f"[{time.perf_counter() - start:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+    path = build_model(out, args.size, args.seed, progress)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
