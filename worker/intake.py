@@ -1,0 +1,181 @@
+"""rq intake: the worker registers as an rq worker and pulls MANY jobs into its running batch.
+
+rq's own worker forks one child per job and runs one job at a time, which defeats batching. This
+keeps rq's registration, dequeue and registries (see ../shared/notes/rq-batching.md) so that
+`rq info` and rq-dashboard show the truth: a job is in the StartedJobRegistry from the moment it
+joins the batch, then in the Finished, Failed or Canceled registry, and the worker is listed with
+heartbeats, busy while it has jobs. It relies on private rq methods (`Job._handle_success`,
+`Job._handle_failure`): rq is pinned, and tests/test_rq_intake.py fails loudly if they change.
+
+Left out (as rq's job features go): job timeouts (max_tokens and the context bound a generation),
+success/failure callbacks, dependents, retries.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from rq import Queue, SimpleWorker
+from rq.exceptions import DequeueTimeout
+from rq.executions import Execution
+from rq.job import Job, JobStatus
+from rq.registry import CanceledJobRegistry
+from rq.utils import now
+from rq.worker import WorkerStatus
+
+from shared import keys
+from shared.wire import GenerationRequest, MsgpackSerializer, WireError
+
+log = logging.getLogger("mlxcel.worker.intake")
+
+RESULT_TTL_S = 600
+
+
+@dataclass
+class TakenJob:
+    job: Job
+    execution: Execution
+    request: GenerationRequest | None  # None: the payload was malformed (failed right away)
+    error: str = ""
+
+
+class RqIntake:
+    def __init__(self, connection: redis.Redis, worker_id: str) -> None:
+        self.connection = connection
+        self.worker_id = worker_id
+        # Own queue first (cache-aware routing will target it), then the shared one.
+        self.queues = [
+            Queue(keys.worker_queue_name(worker_id), connection=connection,
+                  serializer=MsgpackSerializer),
+            Queue(keys.SHARED_QUEUE, connection=connection, serializer=MsgpackSerializer),
+        ]  # fmt: skip
+        # SimpleWorker is only a holder for rq's registration/heartbeat bookkeeping.
+        self.rq_worker = SimpleWorker(
+            self.queues,
+            connection=connection,
+            name=keys.rq_worker_name(worker_id),
+            serializer=MsgpackSerializer,
+        )
+        self.rq_worker.hostname = socket.gethostname()
+        self.rq_worker.pid = os.getpid()
+        self._busy = False
+
+    @property
+    def name(self) -> str:
+        return self.rq_worker.name
+
+    @property
+    def queue_keys(self) -> list[str]:
+        return [q.key for q in self.queues]
+
+    def register(self) -> None:
+        self.rq_worker.register_birth()
+        self.rq_worker.set_state(WorkerStatus.IDLE)
+
+    def unregister(self) -> None:
+        try:
+            self.rq_worker.register_death()
+        except redis.RedisError:
+            log.warning("could not register worker death (Redis unreachable)")
+
+    def take(self, max_jobs: int, block_s: float | None) -> list[TakenJob]:
+        """Dequeue up to `max_jobs` jobs; block up to `block_s` for the first one (None: don't
+        block). Each job taken is marked started (Execution, StartedJobRegistry) in one pipeline."""
+        taken: list[tuple[Job, Queue]] = []
+        timeout = None if block_s is None else max(1, round(block_s))
+        while len(taken) < max_jobs:
+            try:
+                got = Queue.dequeue_any(
+                    self.queues,
+                    timeout if not taken else None,
+                    connection=self.connection,
+                    serializer=MsgpackSerializer,
+                )
+            except DequeueTimeout:
+                got = None
+            if got is None:
+                break
+            taken.append(got)
+        if not taken:
+            return []
+        return self._start(taken)
+
+    def _start(self, taken: list[tuple[Job, Queue]]) -> list[TakenJob]:
+        out: list[TakenJob] = []
+        with self.connection.pipeline(transaction=False) as pipe:
+            for job, queue in taken:
+                ttl = int(self.rq_worker.get_heartbeat_ttl(job))
+                execution = Execution.create(job, ttl, pipeline=pipe, worker_name=self.name)
+                job.prepare_for_execution(self.name, pipeline=pipe)
+                pipe.lrem(queue.intermediate_queue_key, 0, job.id)
+                out.append(self._parse(job, execution))
+            self.set_busy(True, pipe)
+            pipe.execute()
+        return out
+
+    @staticmethod
+    def _parse(job: Job, execution: Execution) -> TakenJob:
+        try:
+            request = GenerationRequest.from_wire(job.kwargs.get("request"))
+        except (WireError, AttributeError, TypeError, ValueError) as exc:
+            return TakenJob(job, execution, None, f"malformed job payload: {exc}")
+        return TakenJob(job, execution, request)
+
+    def set_busy(self, busy: bool, pipe: Any) -> None:
+        if busy != self._busy:
+            self._busy = busy
+            self.rq_worker.set_state(WorkerStatus.BUSY if busy else WorkerStatus.IDLE, pipe)
+
+    # -- ending jobs: each writes into the caller's pipeline (the publisher's per-step one) --------
+
+    def finish(self, pipe: Any, taken: TakenJob, result: dict[str, Any]) -> None:
+        job = taken.job
+        job.ended_at = now()
+        job._result = result
+        taken.execution.delete(job, pipe)
+        job._handle_success(
+            RESULT_TTL_S,
+            pipeline=pipe,
+            worker_name=self.name,
+            execution_id=taken.execution.id,
+            execution_started_at=taken.execution.created_at,
+            execution_ended_at=job.ended_at,
+        )
+        job.cleanup(RESULT_TTL_S, pipeline=pipe, remove_from_queue=False)
+        self.rq_worker.increment_successful_job_count(pipeline=pipe)
+
+    def fail(self, pipe: Any, taken: TakenJob, error: str) -> None:
+        job = taken.job
+        job.ended_at = now()
+        job.set_status(JobStatus.FAILED, pipeline=pipe)
+        taken.execution.delete(job, pipe)
+        job._handle_failure(
+            error,
+            pipeline=pipe,
+            worker_name=self.name,
+            execution_id=taken.execution.id,
+            execution_started_at=taken.execution.created_at,
+            execution_ended_at=job.ended_at,
+        )
+        self.rq_worker.increment_failed_job_count(pipe)
+
+    def cancel(self, pipe: Any, taken: TakenJob) -> None:
+        job = taken.job
+        job.ended_at = now()
+        job.set_status(JobStatus.CANCELED, pipeline=pipe)
+        taken.execution.delete(job, pipe)
+        CanceledJobRegistry(
+            job.origin, connection=self.connection, serializer=MsgpackSerializer
+        ).add(job, ttl=RESULT_TTL_S, pipeline=pipe)
+
+    def heartbeat(self, pipe: Any, active: list[TakenJob]) -> None:
+        """Worker heartbeat plus each running job's execution, so the started registry holds."""
+        self.rq_worker.heartbeat(pipeline=pipe)
+        for t in active:
+            ttl = int(self.rq_worker.get_heartbeat_ttl(t.job))
+            t.execution.heartbeat(t.job.started_job_registry, ttl, pipeline=pipe)

@@ -1,0 +1,181 @@
+"""The worker's loop, read top to bottom like rq's `work()`: take jobs, admit them into the batch,
+run one step, publish that step in one pipeline, act on what came back (cancels, control
+commands), repeat. The first SIGTERM/SIGINT asks for a warm stop (finish what runs, take no more
+work); a second forces a cold stop."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared import keys
+from shared.wire import ControlCommand, ControlReply, StreamEvent
+from worker.intake import RqIntake, TakenJob
+from worker.metrics_sink import MetricsSink
+from worker.prompt_cache.policy import PromptCache
+from worker.publisher import Publisher, StepWrites
+from worker.scheduler import Scheduler, StepOutput
+
+log = logging.getLogger("mlxcel.worker")
+
+IDLE_BLOCK_S = 1.0
+
+
+@dataclass
+class WorkerLoop:
+    intake: RqIntake
+    scheduler: Scheduler
+    publisher: Publisher
+    prompt_cache: PromptCache | None
+    metrics: MetricsSink
+    static_gauges: dict[str, Any]
+    jobs: dict[str, TakenJob] = field(default_factory=dict)
+    _stop_requests: int = 0
+    _queued: int = 0
+    _last_reject_sent: dict[str, Any] | None = None
+
+    def install_signal_handlers(self) -> None:
+        def ask_stop(signum: int, _frame: Any) -> None:
+            self._stop_requests += 1
+            log.info("signal %s: %s stop", signum, "warm" if self._stop_requests == 1 else "cold")
+
+        signal.signal(signal.SIGTERM, ask_stop)
+        signal.signal(signal.SIGINT, ask_stop)
+
+    def run(self) -> None:
+        with self.publisher.r.pipeline(transaction=False) as pipe:
+            self.publisher.register(pipe)
+            pipe.execute()
+        self.intake.register()
+        try:
+            while self._stop_requests == 0 or (self.jobs and self._stop_requests == 1):
+                self.iterate()
+        finally:
+            self.shutdown()
+
+    def iterate(self) -> None:
+        writes = StepWrites()
+        if self._stop_requests == 0:
+            self._take_jobs(writes)
+        for out in self.scheduler.step():
+            self._collect(out, writes)
+        self._publish(writes)
+
+    def _take_jobs(self, writes: StepWrites) -> None:
+        slots = self.scheduler.free_slots
+        if slots <= 0:
+            return
+        idle = not self.jobs
+        if not idle and self._queued <= 0:
+            return  # the last step's pipeline saw nothing queued: no extra round trip
+        for taken in self.intake.take(slots, IDLE_BLOCK_S if idle else None):
+            if taken.request is None:
+                self._collect(
+                    StepOutput(
+                        taken.job.id,
+                        [
+                            StreamEvent(
+                                kind="error", error=taken.error, error_type="invalid_request_error"
+                            )
+                        ],
+                        "failed",
+                        error=taken.error,
+                    ),
+                    writes,
+                    taken,
+                )
+                continue
+            self.jobs[taken.request.request_id] = taken
+            self._collect(self.scheduler.admit(taken.request), writes)
+
+    def _collect(self, out: StepOutput, writes: StepWrites, taken: TakenJob | None = None) -> None:
+        if out.events:
+            writes.events.setdefault(out.request_id, []).extend(e.to_wire() for e in out.events)
+        if out.status == "running":
+            return
+        taken = taken or self.jobs.pop(out.request_id, None)
+        if taken is None:
+            return
+        if out.status == "finished":
+            result = out.result or {}
+            writes.ended.append(lambda p, t=taken, r=result: self.intake.finish(p, t, r))
+        elif out.status == "cancelled":
+            writes.ended.append(lambda p, t=taken: self.intake.cancel(p, t))
+        else:
+            writes.ended.append(lambda p, t=taken, e=out.error: self.intake.fail(p, t, e))
+
+    def _publish(self, writes: StepWrites) -> None:
+        counters = self.scheduler.counters.take()
+        if self.prompt_cache is not None:
+            counters.update(self.prompt_cache.counters.take())
+            last = self.prompt_cache.counters.last_reject
+            if last is not None and last != self._last_reject_sent:
+                writes.last_reject = self._last_reject_sent = dict(last)
+        writes.counters = counters
+        self.metrics.apply(counters, self.scheduler.active)
+        if not self.jobs:
+            writes.ended.append(lambda p: self.intake.set_busy(False, p))
+        result = self.publisher.publish(
+            writes,
+            active_request_ids=list(self.jobs),
+            gauges=self._gauges,
+            heartbeat=lambda p: self.intake.heartbeat(p, list(self.jobs.values())),
+        )
+        self._queued = result.queued
+        if result.cancelled:
+            again = StepWrites()
+            for rid in result.cancelled:
+                out = self.scheduler.cancel(rid)
+                if out is not None:
+                    self._collect(out, again)
+            self.publisher.publish(
+                again, active_request_ids=[], gauges=None, heartbeat=lambda p: None
+            )
+        for cmd in result.commands:
+            self._handle_command(cmd)
+
+    def _gauges(self) -> dict[str, Any]:
+        g: dict[str, Any] = dict(self.static_gauges)
+        if self.prompt_cache is not None:
+            g.update(self.prompt_cache.gauges())
+        g["batch_current_size"] = self.scheduler.active
+        self.metrics.set_gauges(g)
+        return g
+
+    def _handle_command(self, cmd: ControlCommand) -> None:
+        reply = ControlReply(worker_id=self.scheduler.worker_id, kind=cmd.kind)
+        if cmd.kind == "cache_reset":
+            if self.prompt_cache is None:
+                reply.result = {"cleared": True, "freed_bytes": 0, "freed_entries": 0}
+            else:
+                r = self.prompt_cache.reset()
+                reply.result = {
+                    "cleared": bool(r.cleared),
+                    "freed_bytes": int(r.freed_bytes),
+                    "freed_entries": int(r.freed_entries),
+                }
+        else:
+            reply.error = f"unknown command {cmd.kind!r}"
+        self.publisher.reply(keys.control_reply(cmd.reply_id), reply.to_wire())
+
+    def shutdown(self) -> None:
+        # A cold stop leaves running jobs: fail them so no client waits on a dead worker.
+        if self.jobs:
+            writes = StepWrites()
+            for rid in list(self.jobs):
+                out = StepOutput(
+                    rid,
+                    [StreamEvent(kind="error", error="worker stopped", error_type="server_error")],
+                    "failed",
+                    error="worker stopped before the request finished",
+                )
+                self._collect(out, writes)
+            self._publish(writes)
+        with self.publisher.r.pipeline(transaction=False) as pipe:
+            self.publisher.unregister(pipe)
+            pipe.execute()
+        self.intake.unregister()
+        log.info("worker %s stopped at %s", self.scheduler.worker_id, time.strftime("%X"))

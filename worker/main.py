@@ -1,0 +1,130 @@
+"""`mlxcel-pool worker`: load the model once, check its cache, register with rq, run the loop."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from shared.config import Settings
+from shared.model_paths import built_model_dir, model_id_for
+
+log = logging.getLogger("mlxcel.worker")
+
+
+def resolve_worker_id(settings: Settings) -> str:
+    return settings.worker.id or f"{socket.gethostname().split('.')[0]}-{os.getpid()}"
+
+
+def context_length(model_dir: Path, model: Any) -> int:
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        cfg = {}
+    for key in ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length"):
+        if isinstance(cfg.get(key), int):
+            return int(cfg[key])
+    return int(getattr(model.args, "max_position_embeddings", 0) or 4096)
+
+
+def run(settings: Settings) -> int:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    # PROMETHEUS_MULTIPROC_DIR must be set before prometheus_client's first import.
+    os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", str(settings.multiproc_dir))
+    Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]).mkdir(parents=True, exist_ok=True)
+
+    import redis
+    from mlx_lm import load
+
+    from worker import blas
+    from worker.intake import RqIntake
+    from worker.loop import WorkerLoop
+    from worker.metrics_sink import MetricsSink
+    from worker.prompt_cache.cacheability import check_model, resolve_storage_mode
+    from worker.prompt_cache.policy import PromptCache
+    from worker.publisher import Publisher
+    from worker.scheduler import Scheduler
+
+    blas.report(log)
+    if not settings.redis.url:
+        log.error("REDIS_URL is not set: the worker needs the pool's Redis")
+        return 2
+    model_dir = (
+        Path(settings.model.path) if settings.model.path else built_model_dir(settings.cache_dir)
+    )
+    if not model_dir.exists() and not settings.model.path:
+        from worker.model_builder import ensure_model
+
+        model_dir = ensure_model(settings.cache_dir)
+    worker_id = resolve_worker_id(settings)
+    model_id = model_id_for(model_dir, settings.model.id)
+    t0 = time.perf_counter()
+    model, tokenizer = load(str(model_dir))
+    log.info(
+        "worker %s loaded model %s from %s in %.1fs",
+        worker_id,
+        model_id,
+        model_dir,
+        time.perf_counter() - t0,
+    )
+
+    pc_cfg = settings.prompt_cache
+    cacheability = check_model(model, settings.worker.max_kv_size or None)
+    storage = resolve_storage_mode(pc_cfg.storage, settings.worker.batch_size, cacheability)
+    log.info(
+        "prompt cache: model cache is %s (%s); storage mode %s; cache %s",
+        cacheability.kind,
+        cacheability.reason,
+        storage,
+        "enabled" if pc_cfg.enabled else "disabled",
+    )
+    prompt_cache = None
+    if storage != "none":
+        prompt_cache = PromptCache(
+            pc_cfg, model_id=model_id, storage_mode=storage, worker_id=worker_id
+        )
+    conn = redis.Redis.from_url(settings.redis.url)
+    intake = RqIntake(conn, worker_id)
+    info = {
+        "worker_id": worker_id, "model": model_id, "pid": str(os.getpid()),
+        "host": socket.gethostname(), "started_at": f"{time.time():.3f}",
+        "rq_name": intake.name, "batch_size": str(settings.worker.batch_size),
+        "cacheability": cacheability.kind, "storage_mode": storage,
+        "storage_modes": ",".join(cacheability.storage_modes),
+    }  # fmt: skip
+    scheduler = Scheduler(
+        model,
+        tokenizer,
+        settings.worker,
+        model_id=model_id,
+        worker_id=worker_id,
+        context_length=context_length(model_dir, model),
+        prompt_cache=prompt_cache,
+    )
+    static_gauges = {
+        "enabled": "1" if (pc_cfg.enabled and prompt_cache is not None) else "0",
+        "apc_enabled": "1" if pc_cfg.apc_enabled else "0",
+        "block_size": pc_cfg.apc_block_size, "hash": pc_cfg.apc_hash,
+        "paged_block_size": 0, "storage_mode": storage, "cacheability": cacheability.kind,
+        "capacity_bytes": pc_cfg.capacity_bytes, "max_entries": pc_cfg.max_entries,
+        "snapshot_capacity_bytes": pc_cfg.snapshot_capacity_bytes,
+        "snapshot_max_entries": pc_cfg.snapshot_max_entries,
+    }  # fmt: skip
+    loop = WorkerLoop(
+        intake=intake,
+        scheduler=scheduler,
+        publisher=Publisher(conn, worker_id, intake.queue_keys, info),
+        prompt_cache=prompt_cache,
+        metrics=MetricsSink(),
+        static_gauges=static_gauges,
+    )
+    loop.install_signal_handlers()
+    log.info("worker %s ready: listening on %s", worker_id, ", ".join(intake.queue_keys))
+    loop.run()
+    return 0

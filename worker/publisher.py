@@ -1,0 +1,140 @@
+"""The worker's one Redis round trip per step.
+
+Each step's pipeline carries: every request's new stream events (XADD, with the stream's TTL),
+the rq bookkeeping of jobs that ended, the drained cache/scheduler counter deltas (HINCRBY on a
+hash that never expires, so counts never go backwards or vanish with the worker), the last reject,
+the gauges and heartbeats (at most once a second), and the reads the loop needs: cancel flags of
+running requests, control commands, and how many jobs are queued. No per-token round trips; when
+idle the loop calls `flush` at least once a second.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from shared import keys
+from shared.wire import STREAM_FIELD, ControlCommand, WireError
+
+GAUGE_INTERVAL_S = 1.0
+
+
+@dataclass
+class PublishResult:
+    cancelled: list[str] = field(default_factory=list)
+    commands: list[ControlCommand] = field(default_factory=list)
+    queued: int = 0
+
+
+@dataclass
+class StepWrites:
+    """What the loop hands the publisher for one step."""
+
+    events: dict[str, list[bytes]] = field(default_factory=dict)  # request id -> packed events
+    ended: list[Any] = field(default_factory=list)  # callables(pipe) doing rq bookkeeping
+    counters: dict[str, int] = field(default_factory=dict)
+    last_reject: dict[str, Any] | None = None
+
+
+class Publisher:
+    def __init__(
+        self,
+        connection: redis.Redis,
+        worker_id: str,
+        queue_keys: list[str],
+        info: dict[str, str],
+    ) -> None:
+        self.r = connection
+        self.worker_id = worker_id
+        self.queue_keys = queue_keys
+        self.info = info
+        self._k_counters = keys.worker_cache_counters(worker_id)
+        self._k_gauges = keys.worker_cache_gauges(worker_id)
+        self._k_last = keys.worker_cache_last_reject(worker_id)
+        self._k_info = keys.worker_info(worker_id)
+        self._k_control = keys.worker_control(worker_id)
+        self._last_gauges = 0.0
+        self._last_heartbeat = 0.0
+
+    def register(self, pipe: Any) -> None:
+        pipe.sadd(keys.workers_roster(), self.worker_id)
+        pipe.delete(self._k_info)
+        pipe.hset(self._k_info, mapping=self.info)
+        pipe.expire(self._k_info, keys.LIVENESS_TTL_S)
+
+    def unregister(self, pipe: Any) -> None:
+        # Counters and last reject stay: the pool's totals include workers that are gone.
+        pipe.delete(self._k_info, self._k_gauges)
+
+    def publish(
+        self,
+        writes: StepWrites,
+        *,
+        active_request_ids: list[str],
+        gauges: dict[str, Any] | None,
+        heartbeat: Any,
+        now: float | None = None,
+    ) -> PublishResult:
+        """Send one step's writes and reads in a single pipeline. `gauges` is called lazily
+        (a dict-returning callable) only when the gauge interval has passed; `heartbeat(pipe)`
+        adds rq's heartbeats at the same cadence."""
+        now = time.monotonic() if now is None else now
+        with self.r.pipeline(transaction=False) as pipe:
+            for rid, packed in writes.events.items():
+                stream = keys.request_stream(rid)
+                for data in packed:
+                    pipe.xadd(stream, {STREAM_FIELD: data})
+                pipe.expire(stream, keys.REQUEST_TTL_S)
+            for end in writes.ended:
+                end(pipe)
+            for name, delta in writes.counters.items():
+                pipe.hincrby(self._k_counters, name, delta)
+            if writes.last_reject is not None:
+                pipe.hset(self._k_last, mapping=_strs(writes.last_reject))
+            if now - self._last_gauges >= GAUGE_INTERVAL_S:
+                self._last_gauges = now
+                self._write_liveness(pipe, gauges() if callable(gauges) else (gauges or {}))
+                heartbeat(pipe)
+            n_reads = len(pipe)
+            if active_request_ids:
+                pipe.mget([keys.request_cancel(rid) for rid in active_request_ids])
+            pipe.lpop(self._k_control, 16)
+            for qk in self.queue_keys:
+                pipe.llen(qk)
+            replies = pipe.execute()[n_reads:]
+        return self._parse_reads(replies, active_request_ids)
+
+    def _write_liveness(self, pipe: Any, gauges: dict[str, Any]) -> None:
+        pipe.hset(self._k_info, mapping={**self.info, "last_seen": f"{time.time():.3f}"})
+        pipe.expire(self._k_info, keys.LIVENESS_TTL_S)
+        if gauges:
+            pipe.hset(self._k_gauges, mapping=_strs(gauges))
+        pipe.expire(self._k_gauges, keys.LIVENESS_TTL_S)
+        pipe.sadd(keys.workers_roster(), self.worker_id)
+
+    def _parse_reads(self, replies: list[Any], active: list[str]) -> PublishResult:
+        res = PublishResult()
+        i = 0
+        if active:
+            res.cancelled = [rid for rid, flag in zip(active, replies[0], strict=True) if flag]
+            i = 1
+        for raw in replies[i] or []:
+            try:
+                res.commands.append(ControlCommand.from_wire(raw))
+            except (WireError, ValueError):
+                continue  # a malformed command is dropped, never executed
+        res.queued = sum(int(n or 0) for n in replies[i + 1 :])
+        return res
+
+    def reply(self, reply_key: str, payload: bytes) -> None:
+        with self.r.pipeline(transaction=False) as pipe:
+            pipe.rpush(reply_key, payload)
+            pipe.expire(reply_key, keys.CONTROL_TTL_S)
+            pipe.execute()
+
+
+def _strs(mapping: dict[str, Any]) -> dict[str, str]:
+    return {k: ("" if v is None else str(v)) for k, v in mapping.items()}

@@ -1,0 +1,63 @@
+"""Per-sequence text: streaming detokenization and stop strings.
+
+Text that could still turn out to be the start of a stop string is held back, so a client never
+sees part of a stop string.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class TextDelta:
+    text: str
+    stopped: bool  # a stop string matched; `text` ends right before it
+
+
+@dataclass
+class TextStream:
+    detokenizer: Any  # mlx_lm StreamingDetokenizer (a private copy per sequence)
+    stop: list[str] = field(default_factory=list)
+    _held: str = ""
+    _stopped: bool = False
+
+    def push(self, token: int) -> TextDelta:
+        self.detokenizer.add_token(token)
+        return self._scan(self.detokenizer.last_segment)
+
+    def finish(self) -> str:
+        """Flush what the detokenizer and the stop-string hold-back kept."""
+        if self._stopped:
+            return ""  # nothing after a stop string reaches the client
+        self.detokenizer.finalize()
+        delta = self._scan(self.detokenizer.last_segment)
+        if delta.stopped:
+            return delta.text
+        out, self._held = delta.text + self._held, ""
+        return out
+
+    def _scan(self, segment: str) -> TextDelta:
+        if not self.stop:
+            return TextDelta(segment, False)
+        text = self._held + segment
+        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self._held = ""
+            self._stopped = True
+            return TextDelta(text[:cut], True)
+        keep = _longest_stop_prefix_suffix(text, self.stop)
+        self._held = text[len(text) - keep :] if keep else ""
+        return TextDelta(text[: len(text) - keep], False)
+
+
+def _longest_stop_prefix_suffix(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
