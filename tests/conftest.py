@@ -42,3 +42,75 @@ def tiny_model_dir(cache_dir: Path) -> Path:
     from worker.model_builder import ensure_model
 
     return ensure_model(cache_dir, "tiny")
+
+
+class WorkerProcess:
+    """A real `mlxcel-pool worker` process against the test Redis."""
+
+    def __init__(self, redis_url: str, model_dir: Path, worker_id: str, log_dir: Path,
+                 env: dict[str, str] | None = None) -> None:
+        import subprocess
+        import sys
+
+        self.worker_id = worker_id
+        self.log_path = log_dir / f"worker-{worker_id}.log"
+        full_env = {
+            **os.environ,
+            "REDIS_URL": redis_url,
+            "MLXCEL_MODEL": str(model_dir),
+            "MLXCEL_WORKER_ID": worker_id,
+            "PROMETHEUS_MULTIPROC_DIR": str(log_dir / "prom"),
+            **(env or {}),
+        }
+        (log_dir / "prom").mkdir(exist_ok=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlxcel_pool", "worker"],
+            env=full_env, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT, cwd=REPO,
+        )  # fmt: skip
+        self.redis = redis.Redis.from_url(redis_url)
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        import time
+
+        from shared import keys
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited {self.proc.returncode}:\n{self.log()}")
+            if self.redis.exists(keys.worker_info(self.worker_id)):
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"worker not ready:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def stop(self, sig: int | None = None) -> int:
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig or signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def start_worker(tmp_path: Path, tiny_model_dir: Path):
+    """Factory: start_worker(redis_url, worker_id="w1", env={...}) -> a ready WorkerProcess."""
+    started: list[WorkerProcess] = []
+
+    def _start(redis_url: str, worker_id: str = "w1", env: dict[str, str] | None = None,
+               model_dir: Path | None = None) -> WorkerProcess:
+        w = WorkerProcess(redis_url, model_dir or tiny_model_dir, worker_id, tmp_path, env)
+        started.append(w)
+        w.wait_ready()
+        return w
+
+    yield _start
+    for w in started:
+        w.stop()

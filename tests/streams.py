@@ -1,0 +1,53 @@
+"""Test helpers that play the router's part directly against Redis (enqueue, read a stream)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import redis
+from rq import Queue
+
+from shared import keys
+from shared.wire import (
+    JOB_FUNC,
+    STREAM_FIELD,
+    GenerationRequest,
+    MsgpackSerializer,
+    StreamEvent,
+)
+
+
+def enqueue(r: redis.Redis, prompt_tokens: list[int], max_tokens: int = 8, **fields: Any) -> str:
+    rid = uuid.uuid4().hex
+    req = GenerationRequest(
+        request_id=rid, model="m", prompt_tokens=prompt_tokens, max_tokens=max_tokens, **fields
+    )
+    enqueue_raw(r, rid, {"request": req.to_wire()})
+    return rid
+
+
+def enqueue_raw(r: redis.Redis, job_id: str, kwargs: dict[str, Any]) -> None:
+    q = Queue(keys.SHARED_QUEUE, connection=r, serializer=MsgpackSerializer)
+    q.enqueue_call(func=JOB_FUNC, kwargs=kwargs, job_id=job_id, result_ttl=600, ttl=600)
+
+
+def read_events(r: redis.Redis, rid: str, timeout: float = 60.0) -> list[StreamEvent]:
+    """Every event of a request's stream up to and including `done` or `error`."""
+    events: list[StreamEvent] = []
+    last = "0-0"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for _, entries in r.xread({keys.request_stream(rid): last}, block=500) or []:
+            for eid, fields in entries:
+                last = eid
+                ev = StreamEvent.from_wire(fields[STREAM_FIELD])
+                events.append(ev)
+                if ev.kind in ("done", "error"):
+                    return events
+    raise TimeoutError(f"request {rid} did not finish; events so far: {events}")
+
+
+def generated_tokens(events: list[StreamEvent]) -> list[int]:
+    return [t for e in events if e.kind == "delta" for t in e.token_ids]

@@ -1,0 +1,131 @@
+"""The batching worker through rq's own bookkeeping: rq's API shows the truth at every moment."""
+
+from __future__ import annotations
+
+import inspect
+import time
+
+import pytest
+import redis
+from rq import Worker
+from rq.job import Job
+from rq.registry import (
+    CanceledJobRegistry,
+    FailedJobRegistry,
+    FinishedJobRegistry,
+    StartedJobRegistry,
+)
+
+from shared import keys
+from shared.wire import MsgpackSerializer
+from tests.streams import enqueue, enqueue_raw, generated_tokens, read_events
+
+
+def _registries(r: redis.Redis):
+    kw = {"connection": r, "serializer": MsgpackSerializer}
+    return (
+        StartedJobRegistry(keys.SHARED_QUEUE, **kw),
+        FinishedJobRegistry(keys.SHARED_QUEUE, **kw),
+        FailedJobRegistry(keys.SHARED_QUEUE, **kw),
+        CanceledJobRegistry(keys.SHARED_QUEUE, **kw),
+    )
+
+
+def test_rq_private_handlers_we_rely_on_still_exist() -> None:
+    # The worker calls these private rq methods; an rq upgrade that changes them must fail here.
+    for name in ("_handle_success", "_handle_failure"):
+        params = inspect.signature(getattr(Job, name)).parameters
+        for p in ("pipeline", "worker_name", "execution_id", "execution_started_at"):
+            assert p in params, (name, p)
+    assert "pipeline" in inspect.signature(Job.prepare_for_execution).parameters
+
+
+def test_many_jobs_run_at_once_and_registries_tell_the_truth(redis_url, start_worker) -> None:
+    r = redis.Redis.from_url(redis_url)
+    w = start_worker(redis_url, "w1")
+    assert [x.name for x in Worker.all(connection=r)] == ["mlxcel-w1"]
+    started, finished, failed, _ = _registries(r)
+
+    ids = [enqueue(r, list(range(10, 40 + i)), max_tokens=150) for i in range(4)]
+    # All four are executing together (one process, one batch), not one after another.
+    deadline = time.monotonic() + 30
+    peak = 0
+    while time.monotonic() < deadline and peak < 4:
+        peak = max(peak, started.count)
+        time.sleep(0.02)
+    assert peak == 4
+    assert Worker.all(connection=r)[0].get_state() == "busy"
+    for rid in ids:
+        events = read_events(r, rid)
+        assert events[0].kind == "start" and events[0].worker_id == "w1"
+        assert events[-1].kind == "done" and events[-1].finish_reason == "length"
+        assert len(generated_tokens(events)) == 150 == events[-1].completion_tokens
+
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and finished.count < 4:
+        time.sleep(0.05)
+    assert finished.count == 4 and started.count == 0 and failed.count == 0
+    job = Job.fetch(ids[0], connection=r, serializer=MsgpackSerializer)
+    assert job.get_status() == "finished"
+    assert job.return_value()["completion_tokens"] == 150
+    assert w.proc.poll() is None
+
+
+def test_failed_job_lands_in_failed_registry_with_error_and_client_gets_error(
+    redis_url, start_worker
+) -> None:
+    r = redis.Redis.from_url(redis_url)
+    start_worker(redis_url, "w1")
+    _, finished, failed, _ = _registries(r)
+    bad_token = enqueue(r, [5, 6, 10**6], max_tokens=4)  # id outside the model's vocabulary
+    enqueue_raw(r, "malformed-1", {"request": {"prompt_tokens": "not a list"}})
+    good = enqueue(r, [5, 6, 7], max_tokens=4)
+
+    events = read_events(r, bad_token)
+    assert events[-1].kind == "error" and "vocab" in events[-1].error
+    events = read_events(r, "malformed-1")
+    assert events[-1].kind == "error" and "malformed" in events[-1].error
+    assert read_events(r, good)[-1].kind == "done"
+
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (failed.count < 2 or finished.count < 1):
+        time.sleep(0.05)
+    assert sorted(failed.get_job_ids()) == sorted([bad_token, "malformed-1"])
+    job = Job.fetch(bad_token, connection=r, serializer=MsgpackSerializer)
+    assert job.get_status() == "failed"
+    assert "vocab" in (job.latest_result().exc_string or "")
+
+
+def test_cancel_flag_drops_the_sequence_and_cancels_the_job(redis_url, start_worker) -> None:
+    r = redis.Redis.from_url(redis_url)
+    start_worker(redis_url, "w1")
+    started, _, _, canceled = _registries(r)
+    rid = enqueue(r, list(range(10, 30)), max_tokens=1500)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not r.xlen(keys.request_stream(rid)) > 3:
+        time.sleep(0.02)
+    r.set(keys.request_cancel(rid), "1", ex=keys.REQUEST_TTL_S)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and canceled.count == 0:
+        time.sleep(0.02)
+    assert canceled.get_job_ids() == [rid] and started.count == 0
+    assert Job.fetch(rid, connection=r, serializer=MsgpackSerializer).get_status() == "canceled"
+    # The worker is free again: a new request completes.
+    assert read_events(r, enqueue(r, [5, 6, 7], max_tokens=3))[-1].kind == "done"
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM"])
+def test_warm_stop_finishes_running_work_and_unregisters(redis_url, start_worker, sig) -> None:
+    import signal
+
+    r = redis.Redis.from_url(redis_url)
+    w = start_worker(redis_url, "w1")
+    rid = enqueue(r, list(range(10, 30)), max_tokens=200)
+    while not r.exists(keys.request_stream(rid)):
+        time.sleep(0.01)
+    assert w.stop(getattr(signal, sig)) == 0
+    assert read_events(r, rid, timeout=5)[-1].kind == "done"  # finished, not dropped
+    assert Worker.all(connection=r) == []
+    assert not r.exists(keys.worker_info("w1"))
+    # Its counters outlive it: the pool's totals still include this worker.
+    assert int(r.hget(keys.worker_cache_counters("w1"), "requests")) == 1
