@@ -1,0 +1,138 @@
+"""The whole pool, end to end: real Redis, real router processes, real worker, real HTTP.
+
+Greedy output through the pool must equal mlx-lm's own generation on the same model and prompt,
+token for token (compared as the text and the token count a client sees), with 8 different prompts
+in flight at once, streamed and not, completions and chat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+import worker  # noqa: F401  (OpenBLAS before mlx)
+from tests.pool_fixture import running_pool, sse_events
+
+MAX_TOKENS = 24
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time in a land far away",
+    "import numpy as np\n",
+    "Redis is an in-memory data store that",
+    "1, 2, 3, 4, 5,",
+    "Dear diary, today I",
+    "The capital of France is",
+    "In the beginning there was",
+]
+
+
+@pytest.fixture(scope="module")
+def pool(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    with running_pool(tiny_model_dir, tmp_path_factory.mktemp("pool"),
+                      overrides={"worker": {"batch_size": 8}}) as p:  # fmt: skip
+        yield p
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path):
+    """mlx-lm on the same model: (text, n_tokens) for a prompt's token ids."""
+    from mlx_lm import load, stream_generate
+
+    model, tokenizer = load(str(tiny_model_dir))
+
+    def run(prompt_tokens: list[int]) -> tuple[str, int]:
+        text, n = "", 0
+        for resp in stream_generate(model, tokenizer, prompt_tokens, max_tokens=MAX_TOKENS):
+            text += resp.text
+            n = resp.generation_tokens
+            if resp.finish_reason == "stop":
+                n -= 1  # the EOS token is not a completion token a client sees
+        return text, n
+
+    return tokenizer, run
+
+
+def _messages(prompt: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": "Be brief."}, {"role": "user", "content": prompt}]
+
+
+async def _one(client: httpx.AsyncClient, kind: str, prompt: str, stream: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "mlxcel-tiny-s0", "max_tokens": MAX_TOKENS,
+                            "temperature": 0, "stream": stream}  # fmt: skip
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if kind == "chat":
+        body["messages"] = _messages(prompt)
+        resp = await client.post("/v1/chat/completions", json=body)
+    else:
+        body["prompt"] = prompt
+        resp = await client.post("/v1/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    if not stream:
+        data = resp.json()
+        choice = data["choices"][0]
+        text = choice["message"]["content"] if kind == "chat" else choice["text"]
+        return {"text": text, "usage": data["usage"], "finish": choice["finish_reason"]}
+    chunks = sse_events(resp)
+    text, finish = "", None
+    for c in chunks:
+        for ch in c["choices"]:
+            text += (ch["delta"].get("content") or "") if kind == "chat" else ch["text"]
+            finish = ch.get("finish_reason") or finish
+    usage = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == []
+    return {"text": text, "usage": usage, "finish": finish}
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_concurrent_greedy_output_equals_mlx_lm(pool, reference, kind, stream) -> None:
+    tokenizer, run = reference
+
+    async def all_at_once() -> list[dict[str, Any]]:
+        async with httpx.AsyncClient(base_url=pool.url, timeout=120) as client:
+            return await asyncio.gather(*(_one(client, kind, p, stream) for p in PROMPTS))
+
+    results = asyncio.run(all_at_once())
+    for prompt, got in zip(PROMPTS, results, strict=True):
+        if kind == "chat":
+            ids = tokenizer.apply_chat_template(_messages(prompt), add_generation_prompt=True)
+        else:
+            ids = tokenizer.encode(prompt)
+        want_text, want_n = run(ids)
+        assert got["text"] == want_text, prompt
+        assert got["usage"]["completion_tokens"] == want_n
+        assert got["usage"]["prompt_tokens"] == len(ids)
+        assert got["usage"]["total_tokens"] == len(ids) + want_n
+        assert "cached_tokens" in got["usage"]["prompt_tokens_details"]
+        assert got["finish"] in ("length", "stop")
+
+
+def test_health_models_and_rq_info_show_the_truth(pool) -> None:
+    import redis
+    from rq.registry import FinishedJobRegistry
+
+    from shared import keys
+    from shared.wire import MsgpackSerializer
+
+    health = httpx.get(f"{pool.url}/health", timeout=10)
+    assert health.status_code == 200
+    models = httpx.get(f"{pool.url}/v1/models", timeout=10).json()
+    assert [m["id"] for m in models["data"]] == ["mlxcel-tiny-s0"]
+    resp = httpx.post(f"{pool.url}/v1/completions", timeout=60,
+                      json={"model": "mlxcel-tiny-s0", "prompt": "hi", "max_tokens": 3})  # fmt: skip
+    assert resp.status_code == 200
+    info = subprocess.run(
+        [str(Path(sys.executable).parent / "rq"), "info", "-u", pool.redis_url, keys.SHARED_QUEUE],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert "mlxcel-w1" in info.stdout, info.stdout + info.stderr
+    r = redis.Redis.from_url(pool.redis_url)
+    finished = FinishedJobRegistry(keys.SHARED_QUEUE, connection=r, serializer=MsgpackSerializer)
+    assert finished.count >= 1
