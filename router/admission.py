@@ -1,0 +1,186 @@
+"""Admission: a parsed OpenAI request becomes a shared.wire.GenerationRequest, or a refusal.
+
+The answer is a value: `Admission(outcome, request | error)`. Each Outcome maps to exactly one
+HTTP status and one OpenAI error body (OUTCOME_ERRORS), so handlers never pick a status code.
+Runs in the threadpool (tokenization is CPU work).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+import uuid
+from dataclasses import dataclass
+
+from router.errors import APIError
+from router.openai_types import ChatCompletionRequest, CompletionRequest
+from router.tokenization import ChatTemplateError, PromptTokenizer
+from shared.wire import GenerationRequest
+
+MAX_STOP_SEQUENCES = 4
+
+
+class Outcome(enum.StrEnum):
+    ADMIT = "admit"
+    INVALID = "invalid"
+    UNKNOWN_MODEL = "unknown_model"
+    CONTEXT_EXCEEDED = "context_exceeded"
+
+
+# Outcome -> (status, error type, error code). Later outcomes (queue full -> 429) go here too.
+OUTCOME_ERRORS: dict[Outcome, tuple[int, str, str | None]] = {
+    Outcome.INVALID: (400, "invalid_request_error", None),
+    Outcome.UNKNOWN_MODEL: (404, "invalid_request_error", "model_not_found"),
+    Outcome.CONTEXT_EXCEEDED: (400, "invalid_request_error", "context_length_exceeded"),
+}
+
+
+@dataclass
+class Admission:
+    outcome: Outcome
+    request: GenerationRequest | None = None
+    message: str = ""
+    param: str | None = None
+
+    def error(self) -> APIError:
+        status, kind, code = OUTCOME_ERRORS[self.outcome]
+        return APIError(status, self.message, kind, self.param, code)
+
+
+@dataclass(frozen=True)
+class AdmissionContext:
+    """What admission needs, built once in lifespan."""
+
+    model_id: str
+    tokenizer: PromptTokenizer
+    default_max_tokens: int
+
+
+class _Refused(Exception):
+    def __init__(self, outcome: Outcome, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.admission = Admission(outcome, message=message, param=param)
+
+
+def _invalid(message: str, param: str | None = None) -> _Refused:
+    return _Refused(Outcome.INVALID, message, param)
+
+
+def _check_common(body: CompletionRequest | ChatCompletionRequest, ctx: AdmissionContext) -> None:
+    if body.model != ctx.model_id:
+        raise _Refused(
+            Outcome.UNKNOWN_MODEL,
+            f"The model '{body.model}' does not exist; this pool serves '{ctx.model_id}'.",
+            "model",
+        )
+    if body.n != 1:
+        raise _invalid("Only n=1 is supported.", "n")
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise _invalid(f"'stop' may hold at most {MAX_STOP_SEQUENCES} sequences.", "stop")
+    return [s for s in stops if s]
+
+
+def _max_tokens(
+    requested: int | None, param: str, prompt_len: int, prompt_param: str, ctx: AdmissionContext
+) -> int:
+    context = ctx.tokenizer.context_length
+    if requested is not None and requested < 1:
+        raise _invalid(f"'{param}' must be at least 1, got {requested}.", param)
+    if requested is not None and requested > context:
+        raise _invalid(
+            f"'{param}' is {requested}, above the model's context length of {context}.", param
+        )
+    room = context - prompt_len
+    wanted = requested if requested is not None else min(ctx.default_max_tokens, room)
+    if room < 1 or prompt_len + wanted > context:
+        raise _Refused(
+            Outcome.CONTEXT_EXCEEDED,
+            f"This model's maximum context length is {context} tokens. However, you requested "
+            f"{prompt_len + max(wanted, 1)} tokens ({prompt_len} in the prompt, "
+            f"{max(wanted, 1)} for the completion). Please reduce the prompt or '{param}'.",
+            prompt_param,
+        )
+    return wanted
+
+
+def _completion_tokens(body: CompletionRequest, tok: PromptTokenizer) -> list[int]:
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise _invalid("Only one prompt per request is supported.", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        tokens = tok.encode(prompt) if prompt else []
+    else:
+        tokens = list(prompt)
+        if any(t < 0 or t >= tok.vocab_size for t in tokens):
+            raise _invalid(f"Token ids must be in [0, {tok.vocab_size}).", "prompt")
+    if not tokens:
+        raise _invalid("'prompt' must not be empty.", "prompt")
+    return tokens
+
+
+def _chat_tokens(body: ChatCompletionRequest, tok: PromptTokenizer) -> tuple[list[int], str]:
+    if not body.messages:
+        raise _invalid("'messages' must be a non-empty list.", "messages")
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    try:
+        tokens, signature = tok.encode_chat(messages, body.chat_template)
+    except ChatTemplateError as exc:
+        raise _invalid(str(exc), "chat_template") from exc
+    if not tokens:
+        raise _invalid("The chat template rendered an empty prompt.", "messages")
+    return tokens, signature
+
+
+def _build(
+    body: CompletionRequest | ChatCompletionRequest,
+    tokens: list[int],
+    max_tokens: int,
+    signature: str,
+) -> GenerationRequest:
+    return GenerationRequest(
+        request_id=uuid.uuid4().hex,
+        model=body.model,
+        prompt_tokens=tokens,
+        max_tokens=max_tokens,
+        temperature=0.0 if body.temperature is None else float(body.temperature),
+        top_p=1.0 if body.top_p is None else float(body.top_p),
+        seed=body.seed,
+        stop=_stop_list(body.stop),
+        session_key=body.prompt_cache_key or body.user or "",
+        template_signature=signature,
+        enqueued_at=time.time(),
+    )
+
+
+def admit_completion(body: CompletionRequest, ctx: AdmissionContext) -> Admission:
+    try:
+        _check_common(body, ctx)
+        _stop_list(body.stop)
+        tokens = _completion_tokens(body, ctx.tokenizer)
+        max_tokens = _max_tokens(body.max_tokens, "max_tokens", len(tokens), "prompt", ctx)
+        return Admission(Outcome.ADMIT, _build(body, tokens, max_tokens, ""))
+    except _Refused as refused:
+        return refused.admission
+
+
+def admit_chat(body: ChatCompletionRequest, ctx: AdmissionContext) -> Admission:
+    try:
+        _check_common(body, ctx)
+        _stop_list(body.stop)
+        tokens, signature = _chat_tokens(body, ctx.tokenizer)
+        # OpenAI's newer name wins when both are sent.
+        param, requested = (
+            ("max_completion_tokens", body.max_completion_tokens)
+            if body.max_completion_tokens is not None
+            else ("max_tokens", body.max_tokens)
+        )
+        max_tokens = _max_tokens(requested, param, len(tokens), "messages", ctx)
+        return Admission(Outcome.ADMIT, _build(body, tokens, max_tokens, signature))
+    except _Refused as refused:
+        return refused.admission

@@ -1,0 +1,105 @@
+"""The router's FastAPI app: `create_app(settings)` and the lifespan that builds everything once.
+
+Importing this module imports prometheus_client: in multiprocess mode PROMETHEUS_MULTIPROC_DIR
+must already be set (router.serve does it).
+
+`create_app()` with no argument reads the settings a parent `router.serve` left in the
+environment (so CLI overrides reach every uvicorn worker process), else `load_settings()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import redis
+import redis.asyncio as aioredis
+from fastapi import FastAPI
+
+from router.admission import AdmissionContext
+from router.cache_stats import register_pool_script
+from router.dispatch import Dispatcher, build_queue
+from router.errors import install_error_handlers
+from router.routes import cache, chat, completions, health, metrics, models
+from router.serve import SETTINGS_ENV
+from router.state import RouterState
+from router.tokenization import load_tokenizer
+from shared.config import Settings, load_settings
+from shared.metrics import init_reject_labels
+from shared.model_paths import built_model_dir, model_id_for
+
+log = logging.getLogger(__name__)
+
+
+def settings_from_env() -> Settings:
+    raw = os.environ.get(SETTINGS_ENV)
+    return Settings.model_validate_json(raw) if raw else load_settings()
+
+
+def model_dir_for(settings: Settings) -> Path:
+    if settings.model.path:
+        return Path(os.path.expanduser(settings.model.path))
+    return built_model_dir(settings.cache_dir)
+
+
+async def _build_state(settings: Settings) -> RouterState:
+    if not settings.redis.url:
+        raise RuntimeError("the router needs a Redis URL (REDIS_URL or [redis] url)")
+    model_dir = model_dir_for(settings)
+    # Loading a tokenizer reads files and builds Rust objects: keep it off the event loop.
+    tokenizer = await anyio.to_thread.run_sync(load_tokenizer, model_dir)
+    model_id = model_id_for(model_dir, settings.model.id)
+    aredis = aioredis.Redis.from_url(settings.redis.url)
+    sync_redis = redis.Redis.from_url(settings.redis.url)
+    try:
+        await aredis.ping()
+    except redis.RedisError as exc:
+        await aredis.aclose()
+        sync_redis.close()
+        raise RuntimeError(f"cannot reach Redis at {settings.redis.url}: {exc}") from exc
+    queue = build_queue(sync_redis)
+    dispatcher = Dispatcher(
+        sync_redis=sync_redis,
+        aredis=aredis,
+        queue=queue,
+        job_timeout_s=settings.worker.job_timeout_s,
+        request_timeout_s=settings.router.request_timeout_s,
+    )
+    return RouterState(
+        settings=settings,
+        model_dir=model_dir,
+        model_id=model_id,
+        admission=AdmissionContext(model_id, tokenizer, settings.worker.default_max_tokens),
+        dispatcher=dispatcher,
+        aredis=aredis,
+        pool_script=register_pool_script(aredis),
+        queue_key=queue.key,
+        model_created=int(model_dir.stat().st_mtime),
+    )
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    settings: Settings = app.state.settings
+    state = await _build_state(settings)
+    init_reject_labels()
+    app.state.router = state
+    log.info("router serving model %r from %s", state.model_id, state.model_dir)
+    try:
+        yield
+    finally:
+        await state.aredis.aclose()
+        state.dispatcher.sync_redis.close()
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    app = FastAPI(title="mlxcel-pool router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.settings = settings if settings is not None else settings_from_env()
+    install_error_handlers(app)
+    for module in (completions, chat, models, health, cache, metrics):
+        app.include_router(module.router)
+    return app

@@ -1,0 +1,37 @@
+"""`GET /health`: which workers are alive (their info hash exists), what they report, and how
+many jobs wait. One Lua round trip for the workers, one pipeline for the queue lengths."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rq import Queue
+
+from router.cache_stats import read_pool
+from router.state import RouterState
+from shared import keys
+
+
+async def pool_health(state: RouterState) -> tuple[bool, dict[str, Any]]:
+    """(healthy, body): healthy means at least one worker is alive."""
+    live = [w for w in await read_pool(state.pool_script) if w.alive]
+    sync_redis = state.dispatcher.sync_redis
+    # rq names its own queue keys; build them through rq rather than by hand.
+    worker_queue_keys = [
+        Queue(keys.worker_queue_name(w.worker_id), connection=sync_redis).key for w in live
+    ]
+    async with state.aredis.pipeline(transaction=False) as pipe:
+        for key in (state.queue_key, *worker_queue_keys):
+            pipe.llen(key)
+        depths = await pipe.execute()
+    body = {
+        "status": "ok" if live else "unavailable",
+        "model": state.model_id,
+        "workers_alive": len(live),
+        "queue_depth": depths[0],
+        "workers": [
+            {"worker_id": w.worker_id, "queue_depth": depth, **w.info}
+            for w, depth in zip(live, depths[1:], strict=True)
+        ],
+    }
+    return bool(live), body

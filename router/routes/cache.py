@@ -1,0 +1,23 @@
+"""GET /v1/cache/stats (the pool-wide merge) and POST /v1/cache/reset (every live worker)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from router.cache_control import reset_pool_cache
+from router.cache_stats import pool_cache_stats, read_pool
+from router.state import StateDep
+
+router = APIRouter()
+
+
+@router.get("/v1/cache/stats")
+async def cache_stats(state: StateDep) -> dict[str, Any]:
+    return await pool_cache_stats(state.pool_script)
+
+
+@router.post("/v1/cache/reset")
+async def cache_reset(state: StateDep) -> dict[str, Any]:
+    return await reset_pool_cache(state.aredis, await read_pool(state.pool_script))

@@ -1,0 +1,145 @@
+"""Relay one admitted request: submit it, then turn its stream events into an OpenAI response
+(one JSON body, or SSE chunks). Shared by /v1/completions and /v1/chat/completions."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from router.dispatch import TIMEOUT
+from router.errors import APIError
+from router.openai_types import ResponseFormat, Usage
+from router.state import RouterState
+from shared.metrics import REQUEST_DECODE_TOK_S, REQUEST_TTFT_MS
+from shared.wire import GenerationRequest, StreamEvent
+
+# nginx's code for "client closed request": nobody reads it, but logs should not say 200.
+CLIENT_CLOSED = 499
+
+
+@dataclass
+class _Progress:
+    """Text and usage so far, plus the timings the router's histograms observe."""
+
+    gen: GenerationRequest
+    text: list[str] = field(default_factory=list)
+    first_token_at: float | None = None
+    usage: Usage = field(default_factory=Usage)
+    finish_reason: str | None = None
+
+    def on_event(self, ev: StreamEvent) -> None:
+        now = time.time()
+        if ev.kind == "start":
+            self.usage.cached_tokens = ev.cached_tokens
+        elif ev.kind == "delta":
+            self.text.append(ev.text)
+            if self.first_token_at is None:
+                self.first_token_at = now
+                REQUEST_TTFT_MS.observe(max(0.0, (now - self.gen.enqueued_at) * 1000))
+        elif ev.kind == "done":
+            self.finish_reason = ev.finish_reason or "stop"
+            self.usage = Usage(
+                prompt_tokens=ev.prompt_tokens or len(self.gen.prompt_tokens),
+                completion_tokens=ev.completion_tokens,
+                cached_tokens=ev.cached_tokens or self.usage.cached_tokens,
+            )
+            # Decode speed counts the tokens after the first (the first one is the TTFT's).
+            if self.first_token_at is not None and ev.completion_tokens > 1:
+                elapsed = now - self.first_token_at
+                if elapsed > 0:
+                    REQUEST_DECODE_TOK_S.observe((ev.completion_tokens - 1) / elapsed)
+
+
+def error_for(ev: StreamEvent) -> APIError:
+    """A terminal `error` event (the worker's, or one the router made up) as an API error."""
+    if ev.error_type == TIMEOUT:
+        return APIError(504, ev.error, "server_error", None, "timeout")
+    if ev.error_type == "invalid_request_error":
+        return APIError(400, ev.error, "invalid_request_error")
+    message = f"The worker failed to generate: {ev.error}" if ev.error else "The worker failed."
+    return APIError(500, message, "server_error", None, ev.error_type or None)
+
+
+def _sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+async def _collect(events: AsyncIterator[StreamEvent], progress: _Progress) -> None:
+    async for ev in events:
+        if ev.kind == "error":
+            raise error_for(ev)
+        progress.on_event(ev)
+        if ev.kind == "done":
+            return
+    raise APIError(CLIENT_CLOSED, "The client closed the request.")
+
+
+async def _chunks(
+    first: StreamEvent,
+    events: AsyncIterator[StreamEvent],
+    fmt: ResponseFormat,
+    progress: _Progress,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    def chunk(body: dict[str, Any]) -> str:
+        if include_usage:
+            body["usage"] = None  # OpenAI marks every non-final chunk this way
+        return _sse(body)
+
+    async with aclosing(events):
+        if fmt.chat:
+            yield chunk(fmt.chunk("", first=True))
+        ev: StreamEvent | None = first
+        while ev is not None:
+            if ev.kind == "error":
+                yield _sse(error_for(ev).body())
+                yield _sse("[DONE]")
+                return
+            progress.on_event(ev)
+            if ev.kind == "delta" and ev.text:
+                yield chunk(fmt.chunk(ev.text))
+            if ev.kind == "done":
+                yield chunk(fmt.chunk("", progress.finish_reason))
+                if include_usage:
+                    yield _sse(fmt.usage_chunk(progress.usage))
+                yield _sse("[DONE]")
+                return
+            ev = await anext(events, None)
+
+
+async def respond(
+    request: Request,
+    state: RouterState,
+    gen: GenerationRequest,
+    fmt: ResponseFormat,
+    stream: bool,
+    include_usage: bool,
+) -> Response:
+    await state.dispatcher.submit(gen)
+    events = state.dispatcher.events(gen.request_id, request.is_disconnected)
+    progress = _Progress(gen)
+    if not stream:
+        async with aclosing(events):
+            await _collect(events, progress)
+        body = fmt.body("".join(progress.text), progress.finish_reason, progress.usage)
+        return JSONResponse(body)
+    # Wait for the first event before answering 200, so an early failure keeps its status code.
+    first = await anext(events, None)
+    if first is None or first.kind == "error":
+        await events.aclose()
+        if first is None:
+            raise APIError(CLIENT_CLOSED, "The client closed the request.")
+        raise error_for(first)
+    return StreamingResponse(
+        _chunks(first, events, fmt, progress, include_usage),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

@@ -1,0 +1,38 @@
+"""What a router process builds once at startup and every handler reads (app.state.router)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import redis.asyncio as aioredis
+from fastapi import Depends, Request
+from redis.commands.core import AsyncScript
+
+from router.admission import AdmissionContext
+from router.dispatch import Dispatcher
+from shared.config import Settings
+
+
+@dataclass
+class RouterState:
+    settings: Settings
+    model_dir: Path
+    model_id: str
+    admission: AdmissionContext
+    dispatcher: Dispatcher
+    aredis: aioredis.Redis
+    pool_script: AsyncScript
+    queue_key: str
+    # `created` of the model object: the model directory's mtime, read once at startup.
+    model_created: int
+
+
+def get_state(request: Request) -> RouterState:
+    """FastAPI dependency."""
+    return request.app.state.router
+
+
+# Handler parameter type: `state: StateDep`.
+StateDep = Annotated[RouterState, Depends(get_state)]

@@ -1,0 +1,117 @@
+"""The router's tokenizer: prompts become token ids here, so workers receive ids only.
+
+Loaded once per router process (lifespan) with transformers' AutoTokenizer from the model
+directory, local files only: the router never reaches the network and never imports mlx.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer
+
+log = logging.getLogger(__name__)
+
+# Used only when config.json names no context length (logged at load).
+FALLBACK_CONTEXT = 4096
+_CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length")
+
+
+class TokenizerLoadError(RuntimeError):
+    """The model directory or its tokenizer cannot be used (raised at startup)."""
+
+
+class ChatTemplateError(ValueError):
+    """A chat template (the model's or the request's) failed to render."""
+
+
+def template_signature(template: str) -> str:
+    """Short stable id of the chat template text actually used (prompt-cache isolation)."""
+    return hashlib.sha256(template.encode()).hexdigest()[:16]
+
+
+def _context_length(config: dict[str, Any]) -> int | None:
+    for section in (config, config.get("text_config") or {}):
+        for key in _CONTEXT_KEYS:
+            value = section.get(key)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+def _vocab_size(config: dict[str, Any]) -> int | None:
+    # The embedding table's size bounds valid ids (it may exceed the tokenizer's own vocabulary).
+    for section in (config, config.get("text_config") or {}):
+        value = section.get("vocab_size")
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+@dataclass
+class PromptTokenizer:
+    hf: Any
+    context_length: int
+    vocab_size: int
+    default_template: str | None
+    # HF fast tokenizers can fail with "Already borrowed" when one instance is used from several
+    # threads at once; the router tokenizes in the threadpool, so calls are serialized here.
+    _lock: threading.Lock
+
+    def encode(self, text: str) -> list[int]:
+        """Completions: the text as the model's tokenizer encodes it (special tokens included)."""
+        with self._lock:
+            return list(self.hf.encode(text))
+
+    def encode_chat(
+        self, messages: list[dict[str, str]], template: str | None = None
+    ) -> tuple[list[int], str]:
+        """Chat: render the template (the request's, else the model's), then encode the text
+        without adding special tokens again (the template writes them). Returns (ids, signature)."""
+        used = template if template is not None else self.default_template
+        if not used:
+            raise ChatTemplateError("the model has no chat template; pass `chat_template`")
+        with self._lock:
+            try:
+                text = self.hf.apply_chat_template(
+                    messages, chat_template=used, tokenize=False, add_generation_prompt=True
+                )
+            except Exception as exc:  # jinja2 errors of any kind: a bad template is bad input
+                raise ChatTemplateError(f"chat template failed to render: {exc}") from exc
+            ids = list(self.hf.encode(text, add_special_tokens=False))
+        return ids, template_signature(used)
+
+
+def load_tokenizer(model_dir: Path) -> PromptTokenizer:
+    hint = "run `mlxcel-pool build-model` or set MLXCEL_MODEL to a model directory"
+    if not model_dir.is_dir():
+        raise TokenizerLoadError(f"model directory {model_dir} does not exist ({hint})")
+    try:
+        hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as exc:  # transformers raises OSError/ValueError/... depending on the file
+        raise TokenizerLoadError(
+            f"cannot load the tokenizer from {model_dir}: {exc} ({hint})"
+        ) from exc
+    config_path = model_dir / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise TokenizerLoadError(f"cannot read {config_path}: {exc} ({hint})") from exc
+    context = _context_length(config)
+    if context is None:
+        log.warning("%s names no context length; assuming %d", config_path, FALLBACK_CONTEXT)
+        context = FALLBACK_CONTEXT
+    template = getattr(hf, "chat_template", None)
+    return PromptTokenizer(
+        hf=hf,
+        context_length=context,
+        vocab_size=_vocab_size(config) or len(hf),
+        default_template=template if isinstance(template, str) else None,
+        _lock=threading.Lock(),
+    )

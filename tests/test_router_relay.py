@@ -1,0 +1,304 @@
+"""The router's request path end to end with the test playing the worker: the rq job it enqueues,
+the stream events it relays (JSON and SSE), failures, timeouts, disconnects and cache reset."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from rq import Queue
+from rq.job import Job, JobStatus
+from rq.results import Result
+from transformers import AutoTokenizer
+
+from router.tokenization import template_signature
+from shared import keys
+from shared.redis_server import EmbeddedRedis
+from shared.wire import (
+    JOB_FUNC,
+    STREAM_FIELD,
+    ControlCommand,
+    ControlReply,
+    GenerationRequest,
+    MsgpackSerializer,
+    StreamEvent,
+)
+from tests.test_router_validation import RouterServer, router_settings
+
+REQUEST_TIMEOUT_S = 4.0
+
+
+@pytest.fixture(scope="module")
+def router_url(
+    redis_server: EmbeddedRedis, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    tmp = tmp_path_factory.mktemp("relay")
+    settings = router_settings(redis_server.url, tiny_model_dir, tmp, REQUEST_TIMEOUT_S)
+    server = RouterServer(settings).start()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture
+def r(redis_url: str) -> redis.Redis:
+    return redis.Redis.from_url(redis_url)
+
+
+@pytest.fixture
+def pool() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(2) as ex:
+        yield ex
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_dir: Path) -> Any:
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir), local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def model_id(tiny_model_dir: Path) -> str:
+    return tiny_model_dir.resolve().name
+
+
+def take_job(r: redis.Redis, timeout: float = 5.0) -> tuple[Job, GenerationRequest]:
+    """Wait for the router's job in the shared queue and decode it the way a worker would."""
+    queue = Queue(keys.SHARED_QUEUE, connection=r, serializer=MsgpackSerializer)
+    deadline = time.monotonic() + timeout
+    while not queue.job_ids:
+        assert time.monotonic() < deadline, "no job was enqueued"
+        time.sleep(0.02)
+    job = Job.fetch(queue.job_ids[0], connection=r, serializer=MsgpackSerializer)
+    assert job.func_name == JOB_FUNC
+    req = GenerationRequest.from_wire(job.kwargs["request"])
+    assert req.request_id == job.id
+    return job, req
+
+
+def play(r: redis.Redis, req: GenerationRequest, *events: StreamEvent) -> None:
+    for ev in events:
+        r.xadd(keys.request_stream(req.request_id), {STREAM_FIELD: ev.to_wire()})
+
+
+def happy_events(prompt_len: int) -> list[StreamEvent]:
+    return [
+        StreamEvent(kind="start", worker_id="w1", cached_tokens=3, prompt_tokens=prompt_len),
+        StreamEvent(kind="delta", text="Hel", token_ids=[1]),
+        StreamEvent(kind="delta", text="lo", token_ids=[2]),
+        StreamEvent(kind="done", finish_reason="length", prompt_tokens=prompt_len,
+                    completion_tokens=2, cached_tokens=3),
+    ]  # fmt: skip
+
+
+def sse_lines(url: str, path: str, body: dict[str, Any]) -> list[str]:
+    with (
+        httpx.Client(base_url=url, timeout=15) as c,
+        c.stream("POST", path, json=body) as resp,
+    ):
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        return [line for line in resp.iter_lines() if line]
+
+
+def post(url: str, path: str, body: dict[str, Any]) -> httpx.Response:
+    with httpx.Client(base_url=url, timeout=15) as c:
+        return c.post(path, json=body)
+
+
+def test_completion_job_and_json_body(
+    router_url: str, r: redis.Redis, pool: ThreadPoolExecutor, hf: Any, model_id: str
+) -> None:
+    body = {"model": model_id, "prompt": "hello world", "max_tokens": 5, "user": "alice",
+            "temperature": 0.5, "stop": "x", "seed": 7, "unknown_field": True}  # fmt: skip
+    fut = pool.submit(post, router_url, "/v1/completions", body)
+    job, req = take_job(r)
+    assert req.prompt_tokens == hf.encode("hello world")
+    assert (req.max_tokens, req.temperature, req.seed, req.stop) == (5, 0.5, 7, ["x"])
+    assert req.session_key == "alice" and req.template_signature == ""
+    assert job.timeout == 900
+    play(r, req, *happy_events(len(req.prompt_tokens)))
+    resp = fut.result(15)
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    assert out["id"].startswith("cmpl-") and out["object"] == "text_completion"
+    assert out["model"] == model_id
+    assert out["choices"][0]["text"] == "Hello" and out["choices"][0]["finish_reason"] == "length"
+    n = len(req.prompt_tokens)
+    assert out["usage"] == {"prompt_tokens": n, "completion_tokens": 2, "total_tokens": n + 2,
+                            "prompt_tokens_details": {"cached_tokens": 3}}  # fmt: skip
+    assert not r.exists(keys.request_stream(req.request_id))
+
+
+def test_chat_streaming_with_usage(
+    router_url: str, r: redis.Redis, pool: ThreadPoolExecutor, hf: Any, model_id: str
+) -> None:
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}],
+        },
+    ]
+    body = {"model": model_id, "messages": messages, "stream": True, "prompt_cache_key": "s1",
+            "user": "bob", "stream_options": {"include_usage": True}}  # fmt: skip
+    fut: Future[list[str]] = pool.submit(sse_lines, router_url, "/v1/chat/completions", body)
+    _, req = take_job(r)
+    plain = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    text = hf.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+    assert req.prompt_tokens == hf.encode(text, add_special_tokens=False)
+    assert req.session_key == "s1"
+    assert req.template_signature == template_signature(hf.chat_template)
+    play(r, req, *happy_events(len(req.prompt_tokens)))
+    lines = fut.result(15)
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("chatcmpl-")
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text_out = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text_out == "Hello"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 3}
+    assert chunks[-1]["usage"]["total_tokens"] == len(req.prompt_tokens) + 2
+
+
+def test_chat_template_override_changes_signature(
+    router_url: str, r: redis.Redis, pool: ThreadPoolExecutor, model_id: str
+) -> None:
+    template = "{% for m in messages %}{{ m['content'] }}|{% endfor %}"
+    body = {"model": model_id, "messages": [{"role": "user", "content": "abc"}],
+            "chat_template": template, "max_tokens": 1}  # fmt: skip
+    fut = pool.submit(post, router_url, "/v1/chat/completions", body)
+    _, req = take_job(r)
+    assert req.template_signature == template_signature(template)
+    play(r, req, StreamEvent(kind="done", finish_reason="stop", completion_tokens=0))
+    out = fut.result(15).json()
+    assert out["choices"][0]["message"] == {"role": "assistant", "content": ""}
+    assert out["usage"]["prompt_tokens"] == len(req.prompt_tokens)
+
+
+def test_completion_streaming_chunks(
+    router_url: str, r: redis.Redis, pool: ThreadPoolExecutor, model_id: str
+) -> None:
+    body = {"model": model_id, "prompt": [[5, 6, 7]], "stream": True}
+    fut: Future[list[str]] = pool.submit(sse_lines, router_url, "/v1/completions", body)
+    _, req = take_job(r)
+    assert req.prompt_tokens == [5, 6, 7]
+    play(r, req, *happy_events(3))
+    lines = fut.result(15)
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert [c["choices"][0]["text"] for c in chunks] == ["Hel", "lo", ""]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all("usage" not in c for c in chunks)
+
+
+def test_worker_error_event_is_a_server_error(
+    router_url: str, r: redis.Redis, pool: ThreadPoolExecutor, model_id: str
+) -> None:
+    fut = pool.submit(post, router_url, "/v1/completions", {"model": model_id, "prompt": "x"})
+    _, req = take_job(r)
+    play(r, req, StreamEvent(kind="error", error="out of memory", error_type="MemoryError"))
+    resp = fut.result(15)
+    assert resp.status_code == 500
+    assert resp.json()["error"]["type"] == "server_error"
+    assert "out of memory" in resp.json()["error"]["message"]
+
+
+def _fail(r: redis.Redis, job: Job) -> None:
+    Result.create_failure(job, ttl=60, exc_string="Traceback...\nRuntimeError: boom")
+    job.set_status(JobStatus.FAILED)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_failed_job_answers_instead_of_hanging(
+    router_url: str, r: redis.Redis, pool: ThreadPoolExecutor, model_id: str, stream: bool
+) -> None:
+    body = {"model": model_id, "prompt": "x", "stream": stream}
+    fut = pool.submit(post, router_url, "/v1/completions", body)
+    job, _ = take_job(r)
+    _fail(r, job)
+    resp = fut.result(10)
+    assert resp.status_code == 500
+    assert resp.json()["error"]["type"] == "server_error"
+    assert "RuntimeError: boom" in resp.json()["error"]["message"]
+
+
+def test_failed_job_after_streaming_started_is_an_sse_error(
+    router_url: str, r: redis.Redis, pool: ThreadPoolExecutor, model_id: str
+) -> None:
+    body = {"model": model_id, "prompt": "x", "stream": True}
+    fut: Future[list[str]] = pool.submit(sse_lines, router_url, "/v1/completions", body)
+    job, req = take_job(r)
+    play(r, req, StreamEvent(kind="start", worker_id="w1"), StreamEvent(kind="delta", text="a"))
+    _fail(r, job)
+    lines = fut.result(10)
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2].removeprefix("data: "))["error"]["type"] == "server_error"
+
+
+def test_no_event_in_time_is_504(router_url: str, r: redis.Redis, model_id: str) -> None:
+    started = time.monotonic()
+    resp = post(router_url, "/v1/completions", {"model": model_id, "prompt": "x"})
+    assert resp.status_code == 504
+    assert resp.json()["error"]["code"] == "timeout"
+    assert REQUEST_TIMEOUT_S <= time.monotonic() - started < REQUEST_TIMEOUT_S + 3
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 6.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def test_client_disconnect_sets_the_cancel_key(
+    router_url: str, r: redis.Redis, model_id: str
+) -> None:
+    body = {"model": model_id, "prompt": "x", "stream": True}
+    with httpx.Client(base_url=router_url, timeout=10) as c:
+        box: dict[str, GenerationRequest] = {}
+
+        def worker() -> None:
+            box["req"] = take_job(r)[1]
+            play(r, box["req"], StreamEvent(kind="start"), StreamEvent(kind="delta", text="a"))
+
+        t = threading.Thread(target=worker)
+        t.start()
+        with c.stream("POST", "/v1/completions", json=body) as resp:
+            next(resp.iter_lines())  # the first chunk arrived; now hang up
+        t.join()
+    req = box["req"]
+    wait_for(lambda: r.get(keys.request_cancel(req.request_id)) == b"1")
+    assert 0 < r.ttl(keys.request_cancel(req.request_id)) <= keys.REQUEST_TTL_S
+
+
+def test_cache_reset_asks_every_live_worker(router_url: str, r: redis.Redis) -> None:
+    for wid, freed in (("w1", 100), ("w2", 50)):
+        r.sadd(keys.workers_roster(), wid)
+        r.hset(keys.worker_info(wid), "pid", "1")
+
+        def answer(wid: str = wid, freed: int = freed) -> None:
+            _, raw = r.blpop([keys.worker_control(wid)], timeout=5)
+            cmd = ControlCommand.from_wire(raw)
+            reply = ControlReply(worker_id=wid, kind=cmd.kind, result={
+                "cleared": True, "freed_bytes": freed, "freed_entries": 1})  # fmt: skip
+            r.rpush(keys.control_reply(cmd.reply_id), reply.to_wire())
+
+        threading.Thread(target=answer, daemon=True).start()
+    r.sadd(keys.workers_roster(), "dead")  # no info hash: not asked
+    out = post(router_url, "/v1/cache/reset", {}).json()
+    assert (out["cleared"], out["freed_bytes"], out["freed_entries"]) == (True, 150, 2)
+    assert set(out["workers"]) == {"w1", "w2"}
+
+
+def test_cache_reset_with_no_workers(router_url: str, r: redis.Redis) -> None:
+    out = post(router_url, "/v1/cache/reset", {}).json()
+    assert out == {"cleared": False, "freed_bytes": 0, "freed_entries": 0, "workers": {}}

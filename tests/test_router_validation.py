@@ -1,0 +1,280 @@
+"""Router input validation, discovery endpoints, cache stats merge and /metrics, over real HTTP
+against a real Redis and the real tiny model's tokenizer (no worker runs here)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.app import create_app
+from shared import keys
+from shared.cache_stats import SPEC_FIELDS
+from shared.config import ModelConfig, RedisConfig, RouterConfig, Settings
+from shared.model_paths import model_id_for
+from shared.redis_server import EmbeddedRedis, free_port
+from shared.reject import REJECT_REASONS
+
+
+class RouterServer:
+    """The real app under uvicorn in a background thread, on a free port."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.port = free_port()
+        config = uvicorn.Config(
+            create_app(settings), host="127.0.0.1", port=self.port, log_level="warning"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> RouterServer:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("router did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def router_settings(
+    redis_url: str, model_dir: Path, tmp: Path, request_timeout_s: float = 600
+) -> Settings:
+    return Settings(
+        redis=RedisConfig(url=redis_url),
+        router=RouterConfig(request_timeout_s=request_timeout_s),
+        model=ModelConfig(path=str(model_dir), cache_dir=str(tmp)),
+    )
+
+
+@pytest.fixture(scope="module")
+def router_url(
+    redis_server: EmbeddedRedis, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    tmp = tmp_path_factory.mktemp("router")
+    server = RouterServer(router_settings(redis_server.url, tiny_model_dir, tmp)).start()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture
+def client(router_url: str, redis_url: str) -> Iterator[httpx.Client]:
+    # redis_url flushes the database for each test.
+    with httpx.Client(base_url=router_url, timeout=10) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model_id(tiny_model_dir: Path) -> str:
+    return model_id_for(tiny_model_dir)
+
+
+def assert_error(resp: httpx.Response, status: int, param: str | None = None) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    if param is not None:
+        assert err["param"] == param
+    return err
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+
+def test_malformed_json_is_400(client: httpx.Client) -> None:
+    headers = {"content-type": "application/json"}
+    resp = client.post("/v1/completions", content=b'{"model": "x", "prompt": ', headers=headers)
+    assert assert_error(resp, 400)["type"] == "invalid_request_error"
+
+
+def test_body_must_be_an_object(client: httpx.Client) -> None:
+    assert_error(client.post("/v1/chat/completions", json=[1, 2]), 400)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("max_tokens", "5"), ("temperature", "hot"), ("stream", "yes"), ("prompt", 5), ("n", 1.5)],
+)
+def test_wrong_types_are_400_naming_the_param(
+    client: httpx.Client, model_id: str, field: str, value: Any
+) -> None:
+    body = {"model": model_id, "prompt": "hello", field: value}
+    err = assert_error(client.post("/v1/completions", json=body), 400)
+    assert err["param"] == field
+
+
+def test_wrong_type_in_a_message(client: httpx.Client, model_id: str) -> None:
+    body = {"model": model_id, "messages": [{"role": "robot", "content": "hi"}]}
+    err = assert_error(client.post("/v1/chat/completions", json=body), 400)
+    assert err["param"] == "messages.0.role"
+
+
+def test_unknown_model_is_404(client: httpx.Client) -> None:
+    resp = client.post("/v1/completions", json={"model": "gpt-9", "prompt": "hi"})
+    assert assert_error(resp, 404, "model")["code"] == "model_not_found"
+    resp = client.post("/v1/chat/completions", json={"model": "gpt-9", "messages": [
+        {"role": "user", "content": "hi"}]})  # fmt: skip
+    assert assert_error(resp, 404)["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("max_tokens", [0, -3, 10**9])
+def test_max_tokens_out_of_range(client: httpx.Client, model_id: str, max_tokens: int) -> None:
+    body = {"model": model_id, "prompt": "hello", "max_tokens": max_tokens}
+    assert_error(client.post("/v1/completions", json=body), 400, "max_tokens")
+    chat = {"model": model_id, "messages": [{"role": "user", "content": "hi"}]}
+    resp = client.post("/v1/chat/completions", json={**chat, "max_completion_tokens": max_tokens})
+    assert_error(resp, 400, "max_completion_tokens")
+
+
+def test_prompt_too_long_for_the_context(client: httpx.Client, model_id: str) -> None:
+    context = 2048  # the tiny model's max_position_embeddings
+    body = {"model": model_id, "prompt": [7] * (context - 5), "max_tokens": 10}
+    err = assert_error(client.post("/v1/completions", json=body), 400)
+    assert err["code"] == "context_length_exceeded"
+    # With no max_tokens the default is clamped to the room left, but no room at all still fails.
+    body = {"model": model_id, "prompt": [7] * context}
+    err = assert_error(client.post("/v1/completions", json=body), 400)
+    assert err["code"] == "context_length_exceeded"
+    chat = {"model": model_id, "messages": [{"role": "user", "content": "hello " * 3000}]}
+    err = assert_error(client.post("/v1/chat/completions", json=chat), 400)
+    assert err["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/completions", {"prompt": ""}, "prompt"),
+        ("/v1/completions", {"prompt": []}, "prompt"),
+        ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+        ("/v1/completions", {"prompt": [10**7]}, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
+        ("/v1/completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+        ("/v1/completions", {"prompt": "hi", "temperature": 2.5}, "temperature"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                  "chat_template": "{% for %}"}, "chat_template"),
+    ],
+)  # fmt: skip
+def test_invalid_requests_are_400(
+    client: httpx.Client, model_id: str, path: str, body: dict[str, Any], param: str
+) -> None:
+    assert_error(client.post(path, json={"model": model_id, **body}), 400, param)
+
+
+def test_unknown_route_and_wrong_method(client: httpx.Client) -> None:
+    assert_error(client.get("/v1/nothing"), 404)
+    assert_error(client.get("/v1/completions"), 405)
+    assert_error(client.delete("/v1/models"), 405)
+
+
+# --- discovery and health ------------------------------------------------------------------------
+
+
+def test_models_lists_the_served_model(client: httpx.Client, model_id: str) -> None:
+    body = client.get("/v1/models").json()
+    assert body["object"] == "list"
+    assert [m["id"] for m in body["data"]] == [model_id]
+    assert body["data"][0]["object"] == "model"
+
+
+def test_health_is_503_without_workers(client: httpx.Client) -> None:
+    resp = client.get("/health")
+    assert resp.status_code == 503
+    assert resp.json()["workers_alive"] == 0 and resp.json()["queue_depth"] == 0
+
+
+def test_health_lists_live_workers(client: httpx.Client, redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    r.sadd(keys.workers_roster(), "w1", "gone")
+    r.hset(keys.worker_info("w1"), mapping={"pid": "123", "batch_size": "4"})
+    body = client.get("/health").json()
+    assert client.get("/health").status_code == 200
+    assert body["workers_alive"] == 1
+    assert body["workers"] == [
+        {"worker_id": "w1", "queue_depth": 0, "pid": "123", "batch_size": "4"}
+    ]
+
+
+# --- cache stats ---------------------------------------------------------------------------------
+
+
+def test_cache_stats_with_no_workers(client: httpx.Client) -> None:
+    body = client.get("/v1/cache/stats").json()
+    assert list(body)[: len(SPEC_FIELDS)] == list(SPEC_FIELDS)
+    assert body["hits"] == 0 and body["hit_rate"] == 0.0 and body["entries"] == 0
+    assert body["last_reject_reason"] is None and body["workers"] == {}
+
+
+def _fake_worker(r: redis.Redis, wid: str, alive: bool, counters: dict[str, int],
+                 gauges: dict[str, int], reject: dict[str, Any] | None) -> None:  # fmt: skip
+    r.sadd(keys.workers_roster(), wid)
+    if alive:
+        r.hset(keys.worker_info(wid), mapping={"pid": "1"})
+    r.hset(keys.worker_cache_counters(wid), mapping=counters)
+    r.hset(keys.worker_cache_gauges(wid), mapping={**gauges, "enabled": "1", "block_size": "16"})
+    if reject:
+        r.hset(keys.worker_cache_last_reject(wid), mapping=reject)
+
+
+def test_cache_stats_merges_workers(client: httpx.Client, redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    _fake_worker(r, "a", True, {"hits": 3, "lookups": 4, "reject_disabled": 1},
+                 {"entries": 2, "bytes": 100}, {"reason": "disabled", "context_len": "9",
+                                                "at_unix_ms": "1000"})  # fmt: skip
+    late = {"reason": "oversized", "seq_id": "seq-3", "context_len": "77", "at_unix_ms": "2000"}
+    _fake_worker(
+        r, "b", False, {"hits": 1, "lookups": 4, "reject_oversized": 2},
+        {"entries": 5, "bytes": 500}, late,
+    )  # fmt: skip
+    body = client.get("/v1/cache/stats").json()
+    assert body["hits"] == 4 and body["lookups"] == 8 and body["hit_rate"] == 0.5
+    assert body["reject_disabled"] == 1 and body["reject_oversized"] == 2
+    # The dead worker's counters count; its gauges do not.
+    assert body["entries"] == 2 and body["bytes"] == 100
+    assert body["enabled"] is True and body["block_size"] == 16
+    assert body["last_reject_reason"] == "oversized"
+    assert body["last_reject_seq_id"] == "seq-3" and body["last_reject_context_len"] == 77
+    assert body["last_reject_worker_id"] == "b"
+    assert body["workers_alive"] == 1
+    assert body["workers"]["a"]["alive"] is True and body["workers"]["b"]["alive"] is False
+
+
+# --- metrics -------------------------------------------------------------------------------------
+
+
+def test_metrics_parse_and_list_every_reject_reason(client: httpx.Client) -> None:
+    resp = client.get("/metrics")
+    assert resp.status_code == 200
+    families = {f.name: f for f in text_string_to_metric_families(resp.text)}
+    rejects = {
+        s.labels["reason"]
+        for s in families["mlxcel_prompt_cache_reject"].samples
+        if s.name == "mlxcel_prompt_cache_reject_total"
+    }
+    assert rejects == {r.value for r in REJECT_REASONS}
+    assert "mlxcel_queue_depth" in families
+
+
+def test_missing_model_dir_fails_at_startup_with_a_hint(tmp_path: Path) -> None:
+    from router.tokenization import TokenizerLoadError, load_tokenizer
+
+    with pytest.raises(TokenizerLoadError, match="mlxcel-pool build-model"):
+        load_tokenizer(tmp_path / "no-model")
