@@ -47,8 +47,15 @@ def tiny_model_dir(cache_dir: Path) -> Path:
 class WorkerProcess:
     """A real `mlxcel-pool worker` process against the test Redis."""
 
-    def __init__(self, redis_url: str, model_dir: Path, worker_id: str, log_dir: Path,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        redis_url: str,
+        model_dir: Path,
+        worker_id: str,
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+        argv: list[str] | None = None,
+    ) -> None:
         import subprocess
         import sys
 
@@ -64,7 +71,7 @@ class WorkerProcess:
         }
         (log_dir / "prom").mkdir(exist_ok=True)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlxcel_pool", "worker"],
+            [sys.executable, "-m", *(argv or ["mlxcel_pool", "worker"])],
             env=full_env, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT, cwd=REPO,
         )  # fmt: skip
         self.redis = redis.Redis.from_url(redis_url)
@@ -104,9 +111,14 @@ def start_worker(tmp_path: Path, tiny_model_dir: Path):
     """Factory: start_worker(redis_url, worker_id="w1", env={...}) -> a ready WorkerProcess."""
     started: list[WorkerProcess] = []
 
-    def _start(redis_url: str, worker_id: str = "w1", env: dict[str, str] | None = None,
-               model_dir: Path | None = None) -> WorkerProcess:
-        w = WorkerProcess(redis_url, model_dir or tiny_model_dir, worker_id, tmp_path, env)
+    def _start(
+        redis_url: str,
+        worker_id: str = "w1",
+        env: dict[str, str] | None = None,
+        model_dir: Path | None = None,
+        argv: list[str] | None = None,
+    ) -> WorkerProcess:
+        w = WorkerProcess(redis_url, model_dir or tiny_model_dir, worker_id, tmp_path, env, argv)
         started.append(w)
         w.wait_ready()
         return w

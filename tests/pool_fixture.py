@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,8 +36,23 @@ def running_pool(
     settings = load_settings(overrides=base, environ=environ)
     pool = Pool(settings, workers=workers, extra_env=env, log_dir=work_dir / "logs")
     with pool:  # starts it
-        pool.wait_healthy(120)
+        if workers:
+            pool.wait_healthy(120)
+        else:
+            wait_for(lambda: pool.health_status() is not None, 60, "router up")
         yield pool
+
+
+def wait_for(predicate: Any, timeout: float = 10.0, what: str = "condition") -> Any:
+    """Poll until `predicate()` is truthy (workers publish once per step; readers poll)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.05)
 
 
 def sse_events(response: httpx.Response) -> list[dict[str, Any]]:

@@ -19,17 +19,25 @@ from shared.wire import (
 )
 
 
-def enqueue(r: redis.Redis, prompt_tokens: list[int], max_tokens: int = 8, **fields: Any) -> str:
+def enqueue(
+    r: redis.Redis,
+    prompt_tokens: list[int],
+    max_tokens: int = 8,
+    queue: str = keys.SHARED_QUEUE,
+    **fields: Any,
+) -> str:
     rid = uuid.uuid4().hex
     req = GenerationRequest(
         request_id=rid, model="m", prompt_tokens=prompt_tokens, max_tokens=max_tokens, **fields
     )
-    enqueue_raw(r, rid, {"request": req.to_wire()})
+    enqueue_raw(r, rid, {"request": req.to_wire()}, queue)
     return rid
 
 
-def enqueue_raw(r: redis.Redis, job_id: str, kwargs: dict[str, Any]) -> None:
-    q = Queue(keys.SHARED_QUEUE, connection=r, serializer=MsgpackSerializer)
+def enqueue_raw(
+    r: redis.Redis, job_id: str, kwargs: dict[str, Any], queue: str = keys.SHARED_QUEUE
+) -> None:
+    q = Queue(queue, connection=r, serializer=MsgpackSerializer)
     q.enqueue_call(func=JOB_FUNC, kwargs=kwargs, job_id=job_id, result_ttl=600, ttl=600)
 
 

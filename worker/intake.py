@@ -74,6 +74,16 @@ class RqIntake:
         return [q.key for q in self.queues]
 
     def register(self) -> None:
+        # A worker restarted under the same id after a crash finds its old registration still
+        # there (rq keeps it until the heartbeat TTL runs out): retire it, as rq would have.
+        if self.connection.exists(self.rq_worker.key):
+            stale = SimpleWorker.find_by_key(
+                self.rq_worker.key, connection=self.connection, serializer=MsgpackSerializer
+            )
+            if stale is not None:
+                stale.register_death()
+            self.connection.srem(self.rq_worker.redis_workers_keys, self.rq_worker.key)
+            self.connection.delete(self.rq_worker.key)
         self.rq_worker.register_birth()
         self.rq_worker.set_state(WorkerStatus.IDLE)
 

@@ -46,6 +46,7 @@ class WorkerLoop:
         signal.signal(signal.SIGINT, ask_stop)
 
     def run(self) -> None:
+        self.publisher.claim_worker_id()
         with self.publisher.r.pipeline(transaction=False) as pipe:
             self.publisher.register(pipe)
             pipe.execute()

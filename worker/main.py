@@ -8,10 +8,13 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared.config import Settings
 from shared.model_paths import built_model_dir, model_id_for
+
+if TYPE_CHECKING:
+    from worker.loop import WorkerLoop
 
 log = logging.getLogger("mlxcel.worker")
 
@@ -32,6 +35,24 @@ def context_length(model_dir: Path, model: Any) -> int:
 
 
 def run(settings: Settings) -> int:
+    loop = build_worker(settings)
+    if loop is None:
+        return 2
+    from worker.publisher import WorkerIdInUse
+
+    loop.install_signal_handlers()
+    log.info("worker %s ready: listening on %s", loop.scheduler.worker_id,
+             ", ".join(loop.intake.queue_keys))  # fmt: skip
+    try:
+        loop.run()
+    except WorkerIdInUse as exc:
+        log.error("%s", exc)
+        return 2
+    return 0
+
+
+def build_worker(settings: Settings) -> WorkerLoop | None:
+    """Everything but the loop's run: model, cache check, prompt cache, rq intake, publisher."""
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -54,7 +75,7 @@ def run(settings: Settings) -> int:
     blas.report(log)
     if not settings.redis.url:
         log.error("REDIS_URL is not set: the worker needs the pool's Redis")
-        return 2
+        return None
     model_dir = (
         Path(settings.model.path) if settings.model.path else built_model_dir(settings.cache_dir)
     )
@@ -116,7 +137,7 @@ def run(settings: Settings) -> int:
         "snapshot_capacity_bytes": pc_cfg.snapshot_capacity_bytes,
         "snapshot_max_entries": pc_cfg.snapshot_max_entries,
     }  # fmt: skip
-    loop = WorkerLoop(
+    return WorkerLoop(
         intake=intake,
         scheduler=scheduler,
         publisher=Publisher(conn, worker_id, intake.queue_keys, info),
@@ -124,7 +145,3 @@ def run(settings: Settings) -> int:
         metrics=MetricsSink(),
         static_gauges=static_gauges,
     )
-    loop.install_signal_handlers()
-    log.info("worker %s ready: listening on %s", worker_id, ", ".join(intake.queue_keys))
-    loop.run()
-    return 0

@@ -10,6 +10,8 @@ idle the loop calls `flush` at least once a second.
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +60,20 @@ class Publisher:
         self._k_control = keys.worker_control(worker_id)
         self._last_gauges = 0.0
         self._last_heartbeat = 0.0
+
+    def claim_worker_id(self) -> None:
+        """Refuse to run beside a live worker with the same id (their counters would mix); a
+        leftover from a crashed process on this host (its pid gone) is taken over."""
+        info = {k.decode(): v.decode() for k, v in self.r.hgetall(self._k_info).items()}
+        if not info or info.get("pid") == str(os.getpid()):
+            return
+        same_host = info.get("host") == socket.gethostname()
+        if same_host and not _pid_alive(int(info.get("pid") or 0)):
+            return
+        raise WorkerIdInUse(
+            f"worker id {self.worker_id!r} is in use by pid {info.get('pid')} on "
+            f"{info.get('host')}; give this worker another id (MLXCEL_WORKER_ID)"
+        )
 
     def register(self, pipe: Any) -> None:
         pipe.sadd(keys.workers_roster(), self.worker_id)
@@ -134,6 +150,22 @@ class Publisher:
             pipe.rpush(reply_key, payload)
             pipe.expire(reply_key, keys.CONTROL_TTL_S)
             pipe.execute()
+
+
+class WorkerIdInUse(RuntimeError):
+    pass
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _strs(mapping: dict[str, Any]) -> dict[str, str]:

@@ -1,0 +1,202 @@
+"""Each of the seven prompt-cache reject reasons, made to happen for real in a worker, and seen
+everywhere an operator looks: the worker's trace line, its Redis hashes, the router's merged
+`/v1/cache/stats` and the Prometheus exposition on `/metrics`.
+
+Five reasons come from ordinary requests through the router, with the worker configured to
+provoke them. Two cannot come from any request (a worker's storage mode is fixed at start, and a
+healthy store never holds KV that cannot be cut back): for `mode_mismatch` and
+`layout_constraints` a driver (tests/drivers/inject_worker.py) builds the real worker, hands its
+prompt cache one such entry, and a real request then meets it in the scheduler's adopt path.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from prometheus_client.parser import text_string_to_metric_families
+
+from shared import keys
+from shared.reject import REJECT_REASONS
+from tests.pool_fixture import running_pool, wait_for
+from tests.streams import enqueue, read_events
+
+MODEL = "mlxcel-tiny-s0"
+TRACE = {"MLXCEL_APC_TRACE": "1"}
+
+
+def toks(n: int, start: int = 10) -> list[int]:
+    return [start + (i * 7) % 900 for i in range(n)]
+
+
+def complete(pool, prompt: list[int], max_tokens: int = 4) -> dict[str, Any]:
+    resp = httpx.post(f"{pool.url}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})  # fmt: skip
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def reject_samples(pool) -> dict[str, float]:
+    text = httpx.get(f"{pool.url}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name == "mlxcel_prompt_cache_reject":
+            for s in fam.samples:
+                if s.name == "mlxcel_prompt_cache_reject_total":
+                    out[s.labels["reason"]] = out.get(s.labels["reason"], 0) + s.value
+    return out
+
+
+def stats(pool) -> dict[str, Any]:
+    resp = httpx.get(f"{pool.url}/v1/cache/stats", timeout=10)
+    assert resp.status_code == 200
+    return resp.json()
+
+
+def assert_rejects_everywhere(pool, worker_log: str, worker_id: str,
+                              expected: dict[str, int], last: str) -> None:  # fmt: skip
+    """The counts in every view an operator has, and the last reject."""
+    want = {r.value: expected.get(r.value, 0) for r in REJECT_REASONS}
+    r = redis.Redis.from_url(pool.redis_url, decode_responses=True)
+
+    def redis_counts() -> dict[str, int]:
+        h = r.hgetall(keys.worker_cache_counters(worker_id))
+        return {x.value: int(h.get(x.stats_field, 0)) for x in REJECT_REASONS}
+
+    wait_for(lambda: redis_counts() == want, 10, f"Redis counters {want}")
+    lr = r.hgetall(keys.worker_cache_last_reject(worker_id))
+    assert lr["reason"] == last and int(lr["at_unix_ms"]) > 0
+
+    merged = stats(pool)
+    assert {x.value: merged[x.stats_field] for x in REJECT_REASONS} == want
+    assert merged["last_reject_reason"] == last
+    assert merged["last_reject_worker_id"] == worker_id
+    assert merged["workers"][worker_id][f"reject_{last}"] == want[last]
+
+    samples = wait_for(lambda: (s := reject_samples(pool)) and s == want and s, 10,
+                       f"Prometheus samples {want}")  # fmt: skip
+    assert set(samples) == {x.value for x in REJECT_REASONS}  # all seven labels present
+
+    for reason, n in want.items():
+        lines = [ln for ln in worker_log.splitlines()
+                 if f"apc_event=reject reason={reason} " in ln]  # fmt: skip
+        assert len(lines) == n, (reason, lines)
+        assert all(f"worker={worker_id}" in ln for ln in lines)
+
+
+def test_disabled(tiny_model_dir: Path, tmp_path: Path) -> None:
+    env = {**TRACE, "MLXCEL_PROMPT_CACHE_ENABLED": "false"}
+    with running_pool(tiny_model_dir, tmp_path, env=env) as pool:
+        out = complete(pool, toks(40))
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        wait_for(lambda: "reason=disabled" in pool.logs("w1"), 10, "trace line")
+        assert_rejects_everywhere(pool, pool.logs("w1"), "w1", {"disabled": 1}, "disabled")
+        s = stats(pool)  # same shape when disabled: zeros and limits
+        assert s["enabled"] is False and s["entries"] == 0 and s["hits"] == 0
+        assert s["capacity_bytes"] == 2 * 1024**3 and s["max_entries"] == 1024
+
+
+def test_prefix_too_short_then_oversized(tiny_model_dir: Path, tmp_path: Path) -> None:
+    env = {
+        **TRACE,
+        "MLXCEL_SERVER_DECODE_STORAGE": "dense",
+        "MLXCEL_PROMPT_CACHE_CAPACITY_BYTES": "4096",
+        "MLXCEL_PROMPT_CACHE_MIN_PREFIX": "32",
+    }
+    with running_pool(tiny_model_dir, tmp_path, env=env) as pool:
+        complete(pool, toks(10))  # 14 tokens < 32: declined before any KV is detached
+        complete(pool, toks(60))  # 64 tokens of KV is far over a 4 KiB budget
+        wait_for(lambda: "reason=oversized" in pool.logs("w1"), 10, "trace line")
+        assert_rejects_everywhere(
+            pool, pool.logs("w1"), "w1", {"prefix_too_short": 1, "oversized": 1}, "oversized"
+        )
+        assert stats(pool)["rejections_oversized"] == 1
+        assert stats(pool)["entries"] == 0
+
+
+def test_paged_empty_set_and_block_boundary_floor(tiny_model_dir: Path, tmp_path: Path) -> None:
+    env = {**TRACE, "MLXCEL_SERVER_DECODE_STORAGE": "paged", "MLXCEL_PROMPT_CACHE_MIN_PREFIX": "16"}
+    with running_pool(tiny_model_dir, tmp_path, env=env) as pool:
+        complete(pool, toks(10), max_tokens=10)  # 20 tokens: no whole 32-token block to keep
+        wait_for(lambda: "reason=empty_set" in pool.logs("w1"), 10, "empty_set")
+        base = toks(64, start=100)
+        complete(pool, base)  # stored: two whole blocks
+        # Shares 20 tokens: APC keeps one 16-token block (>= 16), paged flooring leaves 0 < 16.
+        out = complete(pool, base[:20] + toks(12, start=500))
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        wait_for(lambda: "reason=block_boundary_floor" in pool.logs("w1"), 10, "floor")
+        assert_rejects_everywhere(pool, pool.logs("w1"), "w1",
+                                  {"empty_set": 1, "block_boundary_floor": 1},
+                                  "block_boundary_floor")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("scenario", "storage", "reason"),
+    [("dense_in_paged", "paged", "mode_mismatch"),
+     ("corrupt_dense", "dense", "layout_constraints")],
+)  # fmt: skip
+def test_injected_entry_rejects(tiny_model_dir: Path, tmp_path: Path, start_worker,
+                                scenario: str, storage: str, reason: str) -> None:  # fmt: skip
+    prompt = toks(64, start=200)
+    with running_pool(tiny_model_dir, tmp_path, workers=0) as pool:
+        w = start_worker(
+            pool.redis_url,
+            "w1",
+            env={
+                **TRACE,
+                "MLXCEL_SERVER_DECODE_STORAGE": storage,
+                "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "prom"),
+            },
+            argv=["tests.drivers.inject_worker", scenario, json.dumps(prompt)],
+        )
+        out = complete(pool, prompt + [7])  # the adopt path meets the injected entry
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        wait_for(lambda: f"reason={reason}" in w.log(), 10, "trace line")
+        assert_rejects_everywhere(pool, w.log(), "w1", {reason: 1}, reason)
+
+
+def test_two_workers_sum_and_survive_kill_and_restart(tiny_model_dir: Path, tmp_path: Path,
+                                                      start_worker) -> None:  # fmt: skip
+    env = {
+        **TRACE,
+        "MLXCEL_SERVER_DECODE_STORAGE": "dense",
+        "MLXCEL_PROMPT_CACHE_CAPACITY_BYTES": "4096",
+        "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "prom"),
+    }
+    with running_pool(tiny_model_dir, tmp_path, workers=0) as pool:
+        r = redis.Redis.from_url(pool.redis_url)
+        w1 = start_worker(pool.redis_url, "w1", env=env)
+        w2 = start_worker(pool.redis_url, "w2", env=env)
+        # Each worker's own queue, so we know who records what.
+        for _ in range(2):
+            read_events(r, enqueue(r, toks(8), queue=keys.worker_queue_name("w1")))
+        for _ in range(3):
+            read_events(r, enqueue(r, toks(60), queue=keys.worker_queue_name("w2")))
+
+        def totals() -> tuple[int, int]:
+            s = stats(pool)
+            return s["reject_prefix_too_short"], s["reject_oversized"]
+
+        wait_for(lambda: totals() == (2, 3), 10, "merged sums")
+        s = stats(pool)
+        assert s["workers"]["w1"]["reject_prefix_too_short"] == 2
+        assert s["workers"]["w2"]["reject_oversized"] == 3
+        assert s["workers"]["w1"]["reject_oversized"] == 0
+
+        w1.stop(signal.SIGKILL)  # dies without a goodbye: its counts must stay
+        wait_for(lambda: not stats(pool)["workers"]["w1"]["alive"], 30, "w1 marked dead")
+        assert totals() == (2, 3)
+        assert reject_samples(pool)["prefix_too_short"] == 2  # its metrics files stay counted
+
+        w1b = start_worker(pool.redis_url, "w1", env=env)  # same id comes back
+        read_events(r, enqueue(r, toks(8), queue=keys.worker_queue_name("w1")))
+        wait_for(lambda: totals() == (3, 3), 10, "totals after restart")
+        assert stats(pool)["workers"]["w1"]["alive"] is True
+        w1b.stop()
+        w2.stop()
+        assert totals() == (3, 3)
