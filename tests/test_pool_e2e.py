@@ -34,8 +34,9 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def pool(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    with running_pool(tiny_model_dir, tmp_path_factory.mktemp("pool"),
-                      overrides={"worker": {"batch_size": 8}}) as p:  # fmt: skip
+    with running_pool(
+        tiny_model_dir, tmp_path_factory.mktemp("pool"), overrides={"worker": {"batch_size": 8}}
+    ) as p:
         yield p
 
 
@@ -63,8 +64,12 @@ def _messages(prompt: str) -> list[dict[str, str]]:
 
 
 async def _one(client: httpx.AsyncClient, kind: str, prompt: str, stream: bool) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": "mlxcel-tiny-s0", "max_tokens": MAX_TOKENS,
-                            "temperature": 0, "stream": stream}  # fmt: skip
+    body: dict[str, Any] = {
+        "model": "mlxcel-tiny-s0",
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "stream": stream,
+    }
     if stream:
         body["stream_options"] = {"include_usage": True}
     if kind == "chat":
@@ -125,13 +130,18 @@ def test_health_models_and_rq_info_show_the_truth(pool) -> None:
     assert health.status_code == 200
     models = httpx.get(f"{pool.url}/v1/models", timeout=10).json()
     assert [m["id"] for m in models["data"]] == ["mlxcel-tiny-s0"]
-    resp = httpx.post(f"{pool.url}/v1/completions", timeout=60,
-                      json={"model": "mlxcel-tiny-s0", "prompt": "hi", "max_tokens": 3})  # fmt: skip
+    resp = httpx.post(
+        f"{pool.url}/v1/completions",
+        timeout=60,
+        json={"model": "mlxcel-tiny-s0", "prompt": "hi", "max_tokens": 3},
+    )
     assert resp.status_code == 200
     info = subprocess.run(
         [str(Path(sys.executable).parent / "rq"), "info", "-u", pool.redis_url, keys.SHARED_QUEUE],
-        capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert "mlxcel-w1" in info.stdout, info.stdout + info.stderr
     r = redis.Redis.from_url(pool.redis_url)
     finished = FinishedJobRegistry(keys.SHARED_QUEUE, connection=r, serializer=MsgpackSerializer)

@@ -131,8 +131,9 @@ def test_warm_stop_finishes_running_work_and_unregisters(redis_url, start_worker
     assert int(r.hget(keys.worker_cache_counters("w1"), "requests")) == 1
 
 
-def test_a_second_live_worker_with_the_same_id_is_refused(redis_url, start_worker,
-                                                          tiny_model_dir, tmp_path) -> None:  # fmt: skip
+def test_a_second_live_worker_with_the_same_id_is_refused(
+    redis_url, start_worker, tiny_model_dir, tmp_path
+) -> None:
     import os
     import subprocess
     import sys
@@ -145,8 +146,13 @@ def test_a_second_live_worker_with_the_same_id_is_refused(redis_url, start_worke
         "MLXCEL_WORKER_ID": "w1",
         "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "prom"),
     }
-    proc = subprocess.run([sys.executable, "-m", "mlxcel_pool", "worker"], env=env,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlxcel_pool", "worker"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert "worker id 'w1' is in use" in proc.stdout + proc.stderr
     assert [w.name for w in Worker.all(connection=redis.Redis.from_url(redis_url))] == ["mlxcel-w1"]
