@@ -126,3 +126,32 @@ def start_worker(tmp_path: Path, tiny_model_dir: Path):
     yield _start
     for w in started:
         w.stop()
+
+
+class MlxReference:
+    """mlx-lm's own generation on the same model: what the pool's greedy output must equal."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from mlx_lm import load
+
+        import worker  # noqa: F401  (OpenBLAS before mlx)
+
+        self.model, self.tokenizer = load(str(model_dir))
+
+    def run(self, prompt_tokens: list[int], max_tokens: int) -> tuple[str, int]:
+        """(text, completion tokens a client sees) for greedy decoding of `prompt_tokens`."""
+        from mlx_lm import stream_generate
+
+        text, n = "", 0
+        for resp in stream_generate(self.model, self.tokenizer, prompt_tokens,
+                                    max_tokens=max_tokens):  # fmt: skip
+            text += resp.text
+            n = resp.generation_tokens
+            if resp.finish_reason == "stop":
+                n -= 1  # the EOS token is not a completion token a client sees
+        return text, n
+
+
+@pytest.fixture(scope="session")
+def mlx_reference(tiny_model_dir: Path) -> MlxReference:
+    return MlxReference(tiny_model_dir)

@@ -40,25 +40,6 @@ def pool(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         yield p
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path):
-    """mlx-lm on the same model: (text, n_tokens) for a prompt's token ids."""
-    from mlx_lm import load, stream_generate
-
-    model, tokenizer = load(str(tiny_model_dir))
-
-    def run(prompt_tokens: list[int]) -> tuple[str, int]:
-        text, n = "", 0
-        for resp in stream_generate(model, tokenizer, prompt_tokens, max_tokens=MAX_TOKENS):
-            text += resp.text
-            n = resp.generation_tokens
-            if resp.finish_reason == "stop":
-                n -= 1  # the EOS token is not a completion token a client sees
-        return text, n
-
-    return tokenizer, run
-
-
 def _messages(prompt: str) -> list[dict[str, str]]:
     return [{"role": "system", "content": "Be brief."}, {"role": "user", "content": prompt}]
 
@@ -97,8 +78,8 @@ async def _one(client: httpx.AsyncClient, kind: str, prompt: str, stream: bool) 
 
 @pytest.mark.parametrize("kind", ["completions", "chat"])
 @pytest.mark.parametrize("stream", [False, True])
-def test_concurrent_greedy_output_equals_mlx_lm(pool, reference, kind, stream) -> None:
-    tokenizer, run = reference
+def test_concurrent_greedy_output_equals_mlx_lm(pool, mlx_reference, kind, stream) -> None:
+    tokenizer = mlx_reference.tokenizer
 
     async def all_at_once() -> list[dict[str, Any]]:
         async with httpx.AsyncClient(base_url=pool.url, timeout=120) as client:
@@ -110,7 +91,7 @@ def test_concurrent_greedy_output_equals_mlx_lm(pool, reference, kind, stream) -
             ids = tokenizer.apply_chat_template(_messages(prompt), add_generation_prompt=True)
         else:
             ids = tokenizer.encode(prompt)
-        want_text, want_n = run(ids)
+        want_text, want_n = mlx_reference.run(ids, MAX_TOKENS)
         assert got["text"] == want_text, prompt
         assert got["usage"]["completion_tokens"] == want_n
         assert got["usage"]["prompt_tokens"] == len(ids)
