@@ -155,3 +155,19 @@ class MlxReference:
 @pytest.fixture(scope="session")
 def mlx_reference(tiny_model_dir: Path) -> MlxReference:
     return MlxReference(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_swa_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with sliding-window attention on every other layer: its cache (mlx-lm's
+    RotatingKVCache) cannot be cut back, so the prompt cache must use whole-prefix snapshots."""
+    import json
+    import shutil
+
+    out = tmp_path_factory.mktemp("swa") / "mlxcel-tiny-swa"
+    shutil.copytree(tiny_model_dir, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["layer_types"] = ["sliding_attention", "full_attention"] * (cfg["num_hidden_layers"] // 2)
+    cfg["sliding_window"] = 48
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
