@@ -120,29 +120,29 @@ class WorkerCacheSnapshot:
     info: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def from_hashes(
+    def from_values(
         cls,
         worker_id: str,
         info: dict[Any, Any],
-        counters: dict[Any, Any],
-        gauges: dict[Any, Any],
-        last_reject: dict[Any, Any],
+        counters: list[int],
+        gauges: list[int],
+        settings: list[Any],
+        last_reject: list[Any],
     ) -> WorkerCacheSnapshot:
-        c = {_str(k): v for k, v in counters.items()}
-        g = {_str(k): v for k, v in gauges.items()}
-        lr = {_str(k): _str(v) for k, v in last_reject.items()}
+        """From values read in the field lists' order (the router's Lua read)."""
         snap = cls(
             worker_id=worker_id,
             alive=bool(info),
-            counters={f: _int(c.get(f)) for f in COUNTER_FIELDS},
-            gauges={f: _int(g.get(f)) for f in GAUGE_FIELDS},
-            settings={f: _str(g.get(f)) for f in SETTING_FIELDS},
+            counters=dict(zip(COUNTER_FIELDS, counters, strict=True)),
+            gauges=dict(zip(GAUGE_FIELDS, gauges, strict=True)),
+            settings={f: _str(v) for f, v in zip(SETTING_FIELDS, settings, strict=True)},
             info={_str(k): _str(v) for k, v in info.items()},
         )
+        lr = dict(zip(LAST_REJECT_FIELDS, last_reject, strict=True))
         if lr.get("reason"):
             snap.last_reject = {
-                "reason": lr["reason"],
-                "seq_id": lr.get("seq_id") or None,
+                "reason": _str(lr["reason"]),
+                "seq_id": _str(lr.get("seq_id")) or None,
                 "context_len": _int(lr.get("context_len")),
                 "at_unix_ms": _int(lr.get("at_unix_ms")),
             }

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Response
 
 from router.cache_control import reset_pool_cache
 from router.cache_stats import pool_cache_stats, read_pool
@@ -14,8 +15,10 @@ router = APIRouter()
 
 
 @router.get("/v1/cache/stats")
-async def cache_stats(state: StateDep) -> dict[str, Any]:
-    return await pool_cache_stats(state.pool_script)
+async def cache_stats(state: StateDep) -> Response:
+    # Plain json.dumps: FastAPI's jsonable_encoder walks the 64-worker breakdown ~10x slower.
+    body = json.dumps(await pool_cache_stats(state.pool_script))
+    return Response(body, media_type="application/json")
 
 
 @router.post("/v1/cache/reset")
