@@ -1,0 +1,284 @@
+"""Pool overhead: aggregate generated tokens/s and TTFT through the whole pool vs the same engine
+in-process vs `mlx_lm.server`, on the ~50M-param bench model, at several concurrency levels.
+
+Sides, all on the same model and the same prompts (distinct ~64-token prompts, temperature 0):
+  engine  mlx-lm's BatchGenerator in this process with the worker's batch settings; C sequences
+          inserted at once and run to completion (TTFT = insert -> first token).
+  pool    embedded Redis + router (2 processes) + 1 worker; C concurrent streaming
+          /v1/completions requests over httpx.AsyncClient (TTFT = send -> first content chunk).
+          The pool's prompt cache is disabled (MLXCEL_PROMPT_CACHE_ENABLED=false): the prompts
+          are distinct anyway, and a hit would skew the comparison.
+  server  `mlx_lm.server` with its default batching settings, same requests as the pool.
+Sides run back to back at each concurrency level (order rotated per repeat); the concurrency-16
+level is repeated 3 times per side and the median reported. tok/s counts the tokens actually
+generated (usage.completion_tokens) over the wall time from the first send to the last token.
+
+    flock /tmp/mlxcel-bench.lock .venv/bin/python bench/bench_pool_throughput.py [--quick]
+        [--concurrency 1,4,16,32] [--max-tokens 128] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from common import (
+    LOCK_HINT,
+    SERVER_DEFAULTS,
+    StreamResult,
+    bench_model_dir,
+    completion_body,
+    distinct_prompts,
+    load_hf_tokenizer,
+    machine_line,
+    mean,
+    median,
+    mlx_lm_server,
+    new_client,
+    pool_side,
+    ratio,
+    stream_request,
+    table,
+    write_json,
+)
+
+from shared.config import load_settings
+
+PROMPT_TOKENS = 64
+REPEATS_AT = {16: 3}
+GOAL_CONCURRENCY = 16
+GOAL_RATIO = 0.95
+SIDES = ("engine", "pool", "server")
+SERVER_MODEL = "default_model"  # mlx_lm.server loads any other `model` value as a path / repo
+
+
+@dataclass
+class Measurement:
+    """One side at one concurrency level, one repeat."""
+
+    side: str
+    concurrency: int
+    tokens: int
+    wall_s: float
+    ttfts: list[float]
+    cached_tokens: int = 0
+    retries: int = 0
+
+    @property
+    def tps(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+# --- the in-process engine -------------------------------------------------------------------
+
+
+class Engine:
+    """mlx-lm's BatchGenerator driven directly, configured like the worker's scheduler."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from mlx_lm import load
+
+        self.model, self.tokenizer = load(str(model_dir))
+        self.cfg = load_settings(environ={}).worker
+        self.eos = sorted(self.tokenizer.eos_token_ids)
+
+    def settings(self) -> str:
+        c = self.cfg
+        return (f"batch_size={c.batch_size} prefill_batch_size={c.prefill_batch_size} "
+                f"prefill_step_size={c.prefill_step_size}")  # fmt: skip
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> Measurement:
+        from mlx_lm.generate import BatchGenerator
+
+        c = self.cfg
+        gen = BatchGenerator(self.model, max_tokens=max_tokens,
+                             stop_tokens=[[t] for t in self.eos],
+                             completion_batch_size=c.batch_size,
+                             prefill_batch_size=min(c.prefill_batch_size, c.batch_size),
+                             prefill_step_size=c.prefill_step_size)  # fmt: skip
+        try:
+            return self._drive(gen, prompts, max_tokens)
+        finally:
+            gen.close()
+
+    def _drive(self, gen: Any, prompts: list[list[int]], max_tokens: int) -> Measurement:
+        start = time.perf_counter()
+        gen.insert(prompts, max_tokens=[max_tokens] * len(prompts))
+        first: dict[int, float] = {}
+        done: set[int] = set()
+        tokens = 0
+        while len(done) < len(prompts):
+            _, responses = gen.next()
+            now = time.perf_counter()
+            for r in responses:
+                first.setdefault(r.uid, now)
+                # An EOS that ends a sequence is not a completion token (as in the pool).
+                if not (r.finish_reason == "stop" and r.token in self.eos):
+                    tokens += 1
+                if r.finish_reason is not None:
+                    done.add(r.uid)
+        wall = time.perf_counter() - start
+        return Measurement(
+            "engine", len(prompts), tokens, wall, [t - start for t in first.values()]
+        )
+
+
+# --- HTTP sides ------------------------------------------------------------------------------
+
+
+async def _http_round(
+    url: str, model: str, prompts: list[str], max_tokens: int
+) -> list[StreamResult]:
+    async with new_client(url, len(prompts)) as client:
+        bodies = [completion_body(model, p, max_tokens) for p in prompts]
+        return list(await asyncio.gather(*(stream_request(client, "/v1/completions", b)
+                                           for b in bodies)))  # fmt: skip
+
+
+def http_measure(
+    side: str, url: str, model: str, prompts: list[str], max_tokens: int
+) -> Measurement:
+    start = time.perf_counter()
+    results = asyncio.run(_http_round(url, model, prompts, max_tokens))
+    wall = max(r.last or r.end for r in results) - start
+    return Measurement(
+        side,
+        len(prompts),
+        sum(r.completion_tokens for r in results),
+        wall,
+        [r.ttft for r in results],
+        sum(r.cached_tokens or 0 for r in results),
+        sum(r.retries for r in results),
+    )
+
+
+# --- the run ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Sides:
+    engine: Engine
+    pool_url: str
+    server_url: str
+    model: str
+    tokenizer: Any
+
+    def runner(self, side: str, prompts: list[str], max_tokens: int) -> Callable[[], Measurement]:
+        if side == "engine":
+            ids = [list(self.tokenizer.encode(p)) for p in prompts]  # as the router encodes
+            return lambda: self.engine.run(ids, max_tokens)
+        url, model = (
+            (self.pool_url, self.model) if side == "pool" else (self.server_url, SERVER_MODEL)
+        )
+        return lambda: http_measure(side, url, model, prompts, max_tokens)
+
+
+def warm_up(sides: Sides, tokenizer: Any) -> None:
+    prompts = distinct_prompts(tokenizer, 2, 16, seed=1)
+    for side in SIDES:
+        sides.runner(side, prompts, 4)()
+
+
+def run_level(sides: Sides, c: int, max_tokens: int, seed: int) -> dict[str, list[Measurement]]:
+    out: dict[str, list[Measurement]] = {s: [] for s in SIDES}
+    for rep in range(REPEATS_AT.get(c, 1)):
+        # Fresh prompts per repeat (no side can reuse a cached prompt), the same for every side.
+        prompts = distinct_prompts(sides.tokenizer, c, PROMPT_TOKENS, seed=seed + 100 * rep)
+        order = SIDES[rep % 3 :] + SIDES[: rep % 3]
+        for side in order:
+            m = sides.runner(side, prompts, max_tokens)()
+            out[side].append(m)
+            print(f"  c={c} rep={rep + 1} {side:6s} {m.tokens:5d} tok in {m.wall_s:6.2f}s = "
+                  f"{m.tps:7.1f} tok/s, mean TTFT {mean(m.ttfts) * 1000:7.1f} ms, "
+                  f"cached {m.cached_tokens}, retries {m.retries}", file=sys.stderr)  # fmt: skip
+    return out
+
+
+def summarize(c: int, runs: dict[str, list[Measurement]]) -> dict[str, Any]:
+    row: dict[str, Any] = {"concurrency": c, "repeats": len(runs["engine"])}
+    for side, ms in runs.items():
+        row[f"{side}_tps"] = median([m.tps for m in ms])
+        ttfts = [t for m in ms for t in m.ttfts]
+        row[f"{side}_ttft_mean_ms"] = mean(ttfts) * 1000
+        row[f"{side}_ttft_p50_ms"] = median(ttfts) * 1000
+        row[f"{side}_tokens"] = [m.tokens for m in ms]
+        row[f"{side}_cached_tokens"] = sum(m.cached_tokens for m in ms)
+        row[f"{side}_retries"] = sum(m.retries for m in ms)
+    row["pool_over_engine"] = ratio(row["pool_tps"], row["engine_tps"])
+    row["server_over_engine"] = ratio(row["server_tps"], row["engine_tps"])
+    return row
+
+
+def print_report(rows: list[dict[str, Any]], max_tokens: int) -> None:
+    headers = ["conc", "reps", "engine tok/s", "pool tok/s", "pool/engine", "server tok/s",
+               "server/engine", "TTFT ms engine mean/p50", "pool mean/p50",
+               "server mean/p50"]  # fmt: skip
+    body = [
+        [r["concurrency"], r["repeats"], r["engine_tps"], r["pool_tps"], r["pool_over_engine"],
+         r["server_tps"], r["server_over_engine"],
+         *(f"{r[f'{s}_ttft_mean_ms']:.0f}/{r[f'{s}_ttft_p50_ms']:.0f}" for s in SIDES)]
+        for r in rows
+    ]  # fmt: skip
+    print(table(headers, body))
+    print(f"(tok/s: median over repeats; max_tokens={max_tokens}, prompts ~{PROMPT_TOKENS} tokens, "
+          "distinct per request and per repeat)")  # fmt: skip
+    cached = {s: sum(r[f"{s}_cached_tokens"] for r in rows) for s in ("pool", "server")}
+    print(
+        f"prompt-cache hits reported by usage.cached_tokens, all levels: pool {cached['pool']} "
+        f"(its prompt cache is disabled for this benchmark), mlx_lm.server {cached['server']}"
+    )
+    goal = next((r for r in rows if r["concurrency"] == GOAL_CONCURRENCY), None)
+    if goal is not None:
+        verdict = "MET" if goal["pool_over_engine"] >= GOAL_RATIO else "MISSED"
+        print(
+            f"goal pool/engine >= {GOAL_RATIO} at concurrency {GOAL_CONCURRENCY}: "
+            f"{goal['pool_over_engine']:.3f} -> {verdict}"
+        )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="concurrency 1,4 and max_tokens 32")
+    p.add_argument("--concurrency", default="1,4,16,32")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.concurrency, args.max_tokens = "1,4", 32
+    args.levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    machine = machine_line()
+    print(f"# {machine}", flush=True)
+    print(f"# {LOCK_HINT}", file=sys.stderr)
+    model_dir = bench_model_dir()
+    tokenizer = load_hf_tokenizer(model_dir)
+    engine = Engine(model_dir)
+    server_args = ["--max-tokens", str(args.max_tokens)]
+    print(
+        f"# model {model_dir.name}; engine/pool worker: {engine.settings()}; pool prompt cache "
+        f"OFF (MLXCEL_PROMPT_CACHE_ENABLED=false); router processes=2, workers=1"
+    )
+    print(f"# mlx_lm.server: its defaults {SERVER_DEFAULTS}")
+    env = {"MLXCEL_PROMPT_CACHE_ENABLED": "false"}
+    with pool_side(model_dir, env) as pool_url, mlx_lm_server(model_dir, server_args) as srv:
+        sides = Sides(engine, pool_url, srv, model_dir.name, tokenizer)
+        warm_up(sides, tokenizer)
+        rows = [summarize(c, run_level(sides, c, args.max_tokens, seed=10_000 * (i + 1)))
+                for i, c in enumerate(args.levels)]  # fmt: skip
+    print_report(rows, args.max_tokens)
+    write_json(args.json, {"machine": machine, "max_tokens": args.max_tokens, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
