@@ -1,0 +1,50 @@
+# mlxcel-pool: `make run` starts a local pool, `make test` runs the test suite.
+# The install step is stamped on pyproject.toml, so a second `make` skips pip entirely.
+
+PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.mlxcel-installed
+
+.PHONY: run test lint bench install openblas
+
+run: install
+	$(VENV)/bin/mlxcel-pool up $(UP_ARGS)
+
+test: install
+	@rc=0; $(PY) -m pytest -q $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; \
+	exit $$rc
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+# Each bench/*.py is a standalone script; --quick keeps it short.
+bench: install
+	@set -e; for f in bench/*.py; do \
+		[ -e "$$f" ] || continue; \
+		echo "== $$f"; $(PY) "$$f" --quick; \
+	done
+
+install: $(STAMP) openblas
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+# MLX's Linux CPU wheel uses a slow reference BLAS; the worker preloads OpenBLAS when present.
+# Best effort only: this target never fails the build.
+openblas:
+	@if dpkg-query -W -f='$${Status}' libopenblas0-pthread 2>/dev/null | grep -q 'ok installed'; then \
+		:; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get install -y -q libopenblas0-pthread libgfortran5 \
+		|| (apt-get update -q && apt-get install -y -q libopenblas0-pthread libgfortran5) \
+		|| echo "note: could not install OpenBLAS; the worker falls back to MLX's slow BLAS"; \
+	else \
+		echo "note: OpenBLAS not installed (needs root + apt-get: libopenblas0-pthread);" \
+			"see MLXCEL_OPENBLAS_PATH in docs/environment-variables.md"; \
+	fi

@@ -1,0 +1,226 @@
+"""`mlxcel-pool`: start the whole pool (`up`) or one part of it (`router`, `worker`, `redis`).
+
+Subcommands import their part lazily, so `mlxcel-pool router` never imports mlx and a bad
+configuration is reported (exit 2) before anything heavy loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from mlxcel_pool.supervisor import Pool, PoolError, ensure_model
+from shared.config import ConfigError, Settings, load_settings
+
+EXIT_CONFIG = 2
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mlxcel-pool", description="OpenAI-compatible LLM serving pool (router, Redis, MLX)."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    up = sub.add_parser("up", help="start Redis (unless REDIS_URL), the router and N workers")
+    up.add_argument("--host", help="router bind address (router.host)")
+    up.add_argument("--port", type=int, help="router port (router.port)")
+    up.add_argument("--workers", type=_positive, default=1, help="worker processes (default 1)")
+    up.add_argument("--model", help="model directory (model.path; default: the built-in model)")
+    up.add_argument("--router-processes", type=_positive, help="uvicorn processes")
+    up.add_argument("--ready-timeout", type=float, default=600.0, help="seconds until /health")
+    up.add_argument("--log-dir", type=Path, help="child logs (default <cache_dir>/logs)")
+
+    router = sub.add_parser("router", help="run the HTTP router against REDIS_URL")
+    router.add_argument("--host")
+    router.add_argument("--port", type=int)
+    router.add_argument("--processes", type=_positive)
+
+    worker = sub.add_parser("worker", help="run one MLX worker against REDIS_URL")
+    worker.add_argument("--model", help="model directory (default: the built-in model)")
+    worker.add_argument("--worker-id", help="worker id (worker.id)")
+    worker.add_argument("--batch-size", type=_positive, help="max sequences decoded together")
+
+    # Parsed by worker.model_builder itself; listed here for --help.
+    sub.add_parser("build-model", help="build the built-in model (see build-model --help)")
+
+    redis = sub.add_parser("redis", help="run an embedded redis-server in the foreground")
+    redis.add_argument("--port", type=int, default=6379)
+    redis.add_argument("--host", default="127.0.0.1")
+
+    wait = sub.add_parser("wait-redis", help="wait until REDIS_URL answers PING")
+    wait.add_argument("--timeout", type=float, default=30.0)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["build-model"]:
+        from worker.model_builder import main as build_main
+
+        return build_main(args_list[1:])
+    args = build_parser().parse_args(args_list)
+    command: Callable[[argparse.Namespace], int] = COMMANDS[args.command]
+    try:
+        return command(args)
+    except ConfigError as exc:
+        print(f"mlxcel-pool {args.command}: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except PoolError as exc:
+        print(f"mlxcel-pool {args.command}: {exc}", file=sys.stderr)
+        return 1
+
+
+# --- signals ---------------------------------------------------------------------------------
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    """SIGTERM behaves like Ctrl-C inside the block; both are ignored during the cleanup after
+    it, so a second signal cannot cut the shutdown of the children short. SIGINT is set
+    explicitly: a process started in the background by a shell inherits it as ignored."""
+    signal.signal(signal.SIGINT, _raise_interrupt)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+# --- subcommands -----------------------------------------------------------------------------
+
+
+def _settings(overrides: dict[str, dict[str, Any]]) -> Settings:
+    return load_settings(overrides=overrides)
+
+
+def _require_redis(settings: Settings, command: str) -> None:
+    if not settings.redis.url:
+        raise ConfigError(
+            f"REDIS_URL is not set: `mlxcel-pool {command}` joins an existing pool "
+            "(e.g. REDIS_URL=redis://127.0.0.1:6379/0); `mlxcel-pool up` starts one"
+        )
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    settings = _settings(
+        {
+            "router": {"host": args.host, "port": args.port, "processes": args.router_processes},
+            "model": {"path": args.model},
+        }
+    )
+    pool = Pool(settings, workers=args.workers, log_dir=args.log_dir or settings.cache_dir / "logs")
+    say = _stderr_printer("up")
+    try:
+        with _stop_on_signals():
+            try:
+                pool.prepare_model(sys.stderr)  # progress on the terminal
+                pool.start()
+                say(f"redis {pool.redis_url}, {args.workers} worker(s), logs in {pool.log_dir}")
+                pool.wait_healthy(args.ready_timeout)
+                print(f"mlxcel-pool ready: {pool.url}/v1", flush=True)
+                say(pool.watch())
+                return 1
+            except KeyboardInterrupt:
+                say("stopping")
+                return 0
+            except PoolError as exc:
+                say(str(exc))
+                return 1
+    finally:
+        pool.stop()
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    settings = _settings(
+        {"router": {"host": args.host, "port": args.port, "processes": args.processes}}
+    )
+    _require_redis(settings, "router")
+    from router.serve import main as serve_main
+
+    return serve_main(settings) or 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    settings = _settings(
+        {
+            "model": {"path": args.model},
+            "worker": {"id": args.worker_id, "batch_size": args.batch_size},
+        }
+    )
+    _require_redis(settings, "worker")
+    if not settings.model.path:
+        # Build (in a subprocess, progress on stderr) before this process imports mlx.
+        path = ensure_model(settings)
+        settings = settings.model_copy(update={"model": settings.model.model_copy(
+            update={"path": str(path)})})  # fmt: skip
+    from worker.main import run
+
+    return run(settings)
+
+
+def cmd_redis(args: argparse.Namespace) -> int:
+    from shared.redis_server import start_redis
+
+    with _stop_on_signals():
+        server = start_redis(port=args.port, host=args.host)
+        try:
+            print(server.url, flush=True)
+            rc = server.process.wait()
+            print(f"mlxcel-pool redis: redis-server exited with {rc}", file=sys.stderr)
+            return rc or 1
+        except KeyboardInterrupt:
+            return 0
+        finally:
+            server.stop()
+
+
+def cmd_wait_redis(args: argparse.Namespace) -> int:
+    settings = _settings({})
+    _require_redis(settings, "wait-redis")
+    import redis
+
+    client = redis.Redis.from_url(settings.redis.url, socket_connect_timeout=1)
+    deadline = time.monotonic() + args.timeout
+    while True:
+        try:
+            client.ping()
+            return 0
+        except redis.RedisError as exc:
+            if time.monotonic() > deadline:
+                print(f"mlxcel-pool wait-redis: {settings.redis.url}: {exc}", file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+
+
+def _stderr_printer(command: str) -> Callable[[str], None]:
+    def say(message: str) -> None:
+        print(f"mlxcel-pool {command}: {message}", file=sys.stderr, flush=True)
+
+    return say
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "up": cmd_up,
+    "router": cmd_router,
+    "worker": cmd_worker,
+    "redis": cmd_redis,
+    "wait-redis": cmd_wait_redis,
+}

@@ -1,0 +1,313 @@
+"""Start and stop a whole pool on one machine: embedded Redis, one router, N workers.
+
+Used by `mlxcel-pool up` and by the end-to-end test fixtures. Each child is `python -m mlxcel_pool
+<part>` in its own process group (so a signal reaches uvicorn's subprocesses too), with its output
+in a log file. This module never imports mlx: the model is built in a subprocess.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+from shared.config import ENV_VARS, TRACE_ENV, ConfigError, Settings
+from shared.model_paths import built_model_dir
+from shared.redis_server import EmbeddedRedis, free_port, start_redis
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Mirrors worker.model_builder.is_built without importing it (that would import mlx): the builder
+# renames a finished build into place, so these two files exist only for a complete build.
+_BUILT_MARKERS = ("mlxcel_build.json", "model.safetensors")
+ROUTER = "router"
+LOG_TAIL_LINES = 30
+
+
+class PoolError(RuntimeError):
+    """A child failed to start, died, or the pool did not become healthy in time."""
+
+
+@dataclass
+class _Child:
+    name: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    expected: bool = True  # False once we stopped it on purpose
+
+
+def model_is_built(model_dir: Path) -> bool:
+    return all((model_dir / name).is_file() for name in _BUILT_MARKERS)
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """The settings as environment variables, so every child sees exactly the pool's config
+    (including values a caller passed as overrides rather than through the environment)."""
+    env: dict[str, str] = {}
+    for var, (section, key) in ENV_VARS.items():
+        value: Any = getattr(getattr(settings, section), key)
+        if isinstance(value, bool):
+            env[var] = "true" if value else "false"
+        elif value != "":
+            env[var] = str(value)
+    if settings.prompt_cache.trace:
+        env[TRACE_ENV] = "1"
+    return env
+
+
+def ensure_model(
+    settings: Settings, env: dict[str, str] | None = None, output: IO[Any] | None = None
+) -> Path:
+    """The model path the workers get: the configured one, else the default model, built in a
+    subprocess when missing (its progress goes to `output`, default stderr)."""
+    if settings.model.path:
+        path = Path(os.path.expanduser(settings.model.path)).resolve()
+        if not path.exists():
+            raise ConfigError(f"model path {path} does not exist (model.path / MLXCEL_MODEL)")
+        return path
+    path = built_model_dir(settings.cache_dir).resolve()
+    if model_is_built(path):
+        return path
+    out = output if output is not None else sys.stderr
+    print(f"mlxcel-pool: building the default model into {path}", file=out, flush=True)
+    argv = [sys.executable, "-m", "mlxcel_pool", "build-model", "--out", str(path)]
+    rc = subprocess.run(argv, env=env, stdout=out, stderr=out, check=False).returncode
+    if rc != 0 or not model_is_built(path):
+        raise PoolError(f"building the default model failed (exit {rc}): {' '.join(argv)}")
+    return path
+
+
+def clean_multiproc_dir(path: Path) -> None:
+    """Drop Prometheus multiprocess files left by an earlier run (they would be summed in).
+    Only `*.db` files are removed, so a misconfigured path cannot wipe unrelated data."""
+    path.mkdir(parents=True, exist_ok=True)
+    for db in path.glob("*.db"):
+        db.unlink(missing_ok=True)
+
+
+def _connect_host(host: str) -> str:
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+def _killpg(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+class Pool:
+    """One router and `workers` workers (ids w1..wN) against one Redis.
+
+    `settings.redis.url` empty: an embedded redis-server is started. `settings.router.port` 0:
+    a free port is chosen. `extra_env` is added to every child's environment.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        workers: int = 1,
+        extra_env: dict[str, str] | None = None,
+        log_dir: str | Path | None = None,
+        grace_s: float = 10.0,
+    ) -> None:
+        self.settings = settings
+        self.workers = workers
+        self.extra_env = dict(extra_env or {})
+        self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="mlxcel-logs-"))
+        self.grace_s = grace_s
+        port = settings.router.port or free_port()
+        self.url = f"http://{_connect_host(settings.router.host)}:{port}"
+        self.port = port
+        self.redis_url = settings.redis.url
+        self.model_path: Path | None = None
+        self._redis: EmbeddedRedis | None = None
+        self._children: dict[str, _Child] = {}
+        self._env: dict[str, str] = {}
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> Pool:
+        """Redis, metrics dir, model, router, workers. On failure everything started is stopped."""
+        atexit.register(self.stop)
+        try:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            if not self.redis_url:
+                self._redis = start_redis()
+                self.redis_url = self._redis.url
+            clean_multiproc_dir(self.settings.multiproc_dir)
+            self._env = self._child_env()
+            if self.model_path is None:
+                with open(self.log_dir / "build-model.log", "ab") as log:
+                    self.model_path = ensure_model(self.settings, self._env, log)
+            self._env["MLXCEL_MODEL"] = str(self.model_path)
+            self._spawn(ROUTER, [ROUTER, "--host", self.settings.router.host,
+                                 "--port", str(self.port),
+                                 "--processes", str(self.settings.router.processes)])  # fmt: skip
+            for i in range(1, self.workers + 1):
+                self.start_worker(f"w{i}")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def prepare_model(self, output: IO[Any] | None = None) -> Path:
+        """Resolve (and build if needed) the model before `start`, showing progress on `output`."""
+        self.model_path = ensure_model(self.settings, self._child_env(), output)
+        return self.model_path
+
+    def stop(self) -> None:
+        """SIGTERM every child's process group, SIGKILL what is left after the grace period,
+        then stop the embedded Redis. Safe to call twice."""
+        atexit.unregister(self.stop)
+        live = [c for c in self._children.values() if c.process.poll() is None]
+        for child in live:
+            child.expected = False
+            _killpg(child.process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        for child in live:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.process.wait(max(0.0, deadline - time.monotonic()))
+        crashed = [c for c in self._children.values() if c.expected and c not in live]
+        for child in live + crashed:
+            # Also reaches group members the leader left behind (e.g. uvicorn processes).
+            _killpg(child.process.pid, signal.SIGKILL)
+            child.process.wait()
+            child.expected = False
+        if self._redis is not None:
+            self._redis.stop()
+            self._redis = None
+
+    def __enter__(self) -> Pool:
+        return self if self._children else self.start()
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    # --- workers ---------------------------------------------------------------------------
+
+    def start_worker(self, worker_id: str) -> None:
+        if self.model_path is None:
+            raise PoolError("start the pool before adding workers")
+        child = self._children.get(worker_id)
+        if child is not None and child.process.poll() is None:
+            raise PoolError(f"worker {worker_id} is already running")
+        self._spawn(worker_id, ["worker", "--worker-id", worker_id,
+                                "--model", str(self.model_path)])  # fmt: skip
+
+    def stop_worker(self, worker_id: str, sig: int = signal.SIGTERM) -> int:
+        """Send `sig` to the worker's process group and wait (SIGKILL after the grace period).
+        Returns its exit code; the pool does not count this as a failure."""
+        child = self._children[worker_id]
+        child.expected = False
+        _killpg(child.process.pid, sig)
+        try:
+            child.process.wait(self.grace_s)
+        except subprocess.TimeoutExpired:
+            _killpg(child.process.pid, signal.SIGKILL)
+            child.process.wait()
+        _killpg(child.process.pid, signal.SIGKILL)
+        return child.process.returncode
+
+    def kill_worker(self, worker_id: str) -> int:
+        return self.stop_worker(worker_id, signal.SIGKILL)
+
+    # --- health ----------------------------------------------------------------------------
+
+    def failures(self) -> list[str]:
+        """Children (and the embedded Redis) that exited without being asked to."""
+        out = [
+            f"{c.name} (pid {c.process.pid}) exited with code {c.process.returncode}"
+            for c in self._children.values()
+            if c.expected and c.process.poll() is not None
+        ]
+        if self._redis is not None and self._redis.process.poll() is not None:
+            out.append(f"embedded redis-server exited with code {self._redis.process.returncode}")
+        return out
+
+    def health_status(self, timeout: float = 2.0) -> int | None:
+        """HTTP status of GET /health, or None when nothing answers."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=timeout) as resp:
+                return int(resp.status)
+        except urllib.error.HTTPError as exc:
+            return exc.code
+        except (OSError, ValueError):
+            return None
+
+    def wait_healthy(self, timeout: float = 120.0) -> None:
+        """Wait until /health answers 200 (the router is up and sees a live worker)."""
+        deadline = time.monotonic() + timeout
+        status: int | None = None
+        while time.monotonic() < deadline:
+            if failed := self.failures():
+                raise PoolError(self._report("; ".join(failed)))
+            status = self.health_status()
+            if status == 200:
+                return
+            time.sleep(0.25)
+        raise PoolError(self._report(f"not healthy after {timeout}s (last /health: {status})"))
+
+    def watch(self, poll_s: float = 0.5) -> str:
+        """Block until a child dies unexpectedly; return the report."""
+        while not (failed := self.failures()):
+            time.sleep(poll_s)
+        return self._report("; ".join(failed))
+
+    # --- logs ------------------------------------------------------------------------------
+
+    def log_path(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
+
+    def logs(self, name: str) -> str:
+        try:
+            return self.log_path(name).read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def _report(self, headline: str) -> str:
+        parts = [headline]
+        for name in self._children:
+            tail = self.logs(name).splitlines()[-LOG_TAIL_LINES:]
+            parts.append(f"--- last lines of {self.log_path(name)} ---\n" + "\n".join(tail))
+        return "\n".join(parts)
+
+    # --- internals -------------------------------------------------------------------------
+
+    def _child_env(self) -> dict[str, str]:
+        env = {**os.environ, **settings_env(self.settings)}
+        if not self.settings.prompt_cache.trace:
+            env.pop(TRACE_ENV, None)  # the settings decide, not a stray variable in our env
+        env.update(self.extra_env)
+        # `python -m mlxcel_pool` must work whether or not the package is installed.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        env["REDIS_URL"] = self.redis_url
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(self.settings.multiproc_dir)
+        env["PYTHONUNBUFFERED"] = "1"  # log files show progress as it happens
+        return env
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        argv = [sys.executable, "-m", "mlxcel_pool", *args]
+        path = self.log_path(name)
+        with open(path, "ab") as log:
+            log.write(f"--- mlxcel-pool: starting {name}: {' '.join(argv)}\n".encode())
+            log.flush()
+            process = subprocess.Popen(
+                argv, env=self._env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                start_new_session=True,
+            )  # fmt: skip
+        self._children[name] = _Child(name, process, path)

@@ -1,0 +1,164 @@
+"""The `mlxcel-pool` command as a user runs it: real subprocesses, real Redis, real HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import psutil
+import pytest
+import redis
+
+from shared.config import ENV_VARS
+from shared.redis_server import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+READY_PREFIX = "mlxcel-pool ready: "
+
+
+def _env(**extra: str) -> dict[str, str]:
+    # The pool's own variables from the caller's shell must not leak into these tests.
+    base = {k: v for k, v in os.environ.items() if k not in ENV_VARS and k != "MLXCEL_APC_TRACE"}
+    return {**base, **extra}
+
+
+def _lines(stream: IO[str]) -> queue.Queue[str]:
+    """Read a pipe on a thread so a test can wait for a line with a timeout."""
+    out: queue.Queue[str] = queue.Queue()
+
+    def pump() -> None:
+        for line in stream:
+            out.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return out
+
+
+def _wait_line(lines: queue.Queue[str], prefix: str, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            break
+        if line.startswith(prefix):
+            return line.strip()
+    raise AssertionError(f"no line starting with {prefix!r} within {timeout}s")
+
+
+def _port_open(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.fixture
+def spawned() -> Iterator[list[subprocess.Popen[str]]]:
+    """Processes a test started; killed (with their descendants) if the test failed early."""
+    procs: list[subprocess.Popen[str]] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
+            proc.wait()
+
+
+def test_redis_command_serves_and_stops_on_sigint(spawned: list[subprocess.Popen[str]]) -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlxcel_pool", "redis", "--port", str(port)],
+        cwd=REPO, env=_env(), stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    spawned.append(proc)
+    url = _wait_line(_lines(proc.stdout), "redis://", 30)  # type: ignore[arg-type]
+    assert url == f"redis://127.0.0.1:{port}/0"
+    assert redis.Redis.from_url(url).ping()
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(30) == 0
+    assert not _port_open(port)
+
+
+def _get(url: str) -> tuple[int, Any]:
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        return resp.status, json.loads(resp.read() or b"null")
+
+
+def _post(url: str, body: dict[str, Any]) -> tuple[int, Any]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return resp.status, json.loads(resp.read())
+
+
+def test_up_serves_a_completion_and_stops_cleanly(
+    tiny_model_dir: Path, cache_dir: Path, tmp_path: Path, spawned: list[subprocess.Popen[str]]
+) -> None:
+    port = free_port()
+    env = _env(
+        MLXCEL_CACHE_DIR=str(cache_dir),  # the default model is already built there
+        PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "prom"),  # not shared with other pools
+    )
+    argv = [sys.executable, "-m", "mlxcel_pool", "up", "--port", str(port), "--workers", "1",
+            "--router-processes", "1", "--log-dir", str(tmp_path / "logs")]  # fmt: skip
+    with open(tmp_path / "up.stderr", "w") as err:
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err,
+                                text=True)  # fmt: skip
+    spawned.append(proc)
+    try:
+        ready = _wait_line(_lines(proc.stdout), READY_PREFIX, 300)  # type: ignore[arg-type]
+    except AssertionError:
+        pytest.fail((tmp_path / "up.stderr").read_text()[-4000:])
+    base = ready.removeprefix(READY_PREFIX)
+    assert base == f"http://127.0.0.1:{port}/v1"
+    root = base.removesuffix("/v1")
+
+    assert _get(f"{root}/health")[0] == 200
+    _, models = _get(f"{base}/models")
+    status, body = _post(
+        f"{base}/completions",
+        {"model": models["data"][0]["id"], "prompt": "Once upon a time", "max_tokens": 8},
+    )
+    assert status == 200
+    assert isinstance(body["choices"][0]["text"], str)
+    assert body["usage"]["completion_tokens"] >= 1
+
+    children = psutil.Process(proc.pid).children(recursive=True)
+    redis_ports = [  # redis-server rewrites its title, so ask for its listening socket
+        conn.laddr.port
+        for c in children
+        if "redis-server" in c.name()
+        for conn in c.net_connections("tcp")
+        if conn.status == psutil.CONN_LISTEN
+    ]
+    assert len(redis_ports) == 1, [c.cmdline() for c in children]
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 0, (tmp_path / "up.stderr").read_text()[-4000:]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not all(_gone(c.pid) for c in children):
+        time.sleep(0.1)
+    assert [c.pid for c in children if not _gone(c.pid)] == []
+    assert not _port_open(redis_ports[0])
+    assert not _port_open(port)
