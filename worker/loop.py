@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import logging
 import signal
-import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import redis
 
 from shared import keys
 from shared.wire import ControlCommand, ControlReply, StreamEvent
@@ -48,7 +49,7 @@ class WorkerLoop:
     def run(self) -> None:
         self.publisher.claim_worker_id()
         with self.publisher.r.pipeline(transaction=False) as pipe:
-            self.publisher.register(pipe)
+            self.publisher.register(pipe, self._gauges())
             pipe.execute()
         self.intake.register()
         try:
@@ -163,20 +164,23 @@ class WorkerLoop:
         self.publisher.reply(keys.control_reply(cmd.reply_id), reply.to_wire())
 
     def shutdown(self) -> None:
-        # A cold stop leaves running jobs: fail them so no client waits on a dead worker.
-        if self.jobs:
-            writes = StepWrites()
-            for rid in list(self.jobs):
-                out = StepOutput(
-                    rid,
-                    [StreamEvent(kind="error", error="worker stopped", error_type="server_error")],
-                    "failed",
-                    error="worker stopped before the request finished",
-                )
-                self._collect(out, writes)
-            self._publish(writes)
-        with self.publisher.r.pipeline(transaction=False) as pipe:
-            self.publisher.unregister(pipe)
-            pipe.execute()
-        self.intake.unregister()
-        log.info("worker %s stopped at %s", self.scheduler.worker_id, time.strftime("%X"))
+        try:
+            self._fail_running("worker stopped before the request finished")
+            with self.publisher.r.pipeline(transaction=False) as pipe:
+                self.publisher.unregister(pipe)
+                pipe.execute()
+            self.intake.unregister()
+        except redis.RedisError as exc:
+            # Redis went first (e.g. honcho stops everything at once): nothing left to tell.
+            log.warning("could not unregister from Redis: %s", exc)
+        log.info("worker %s stopped", self.scheduler.worker_id)
+
+    def _fail_running(self, reason: str) -> None:
+        """A cold stop leaves running jobs: fail them so no client waits on a dead worker."""
+        if not self.jobs:
+            return
+        writes = StepWrites()
+        for rid in list(self.jobs):
+            error = StreamEvent(kind="error", error="worker stopped", error_type="server_error")
+            self._collect(StepOutput(rid, [error], "failed", error=reason), writes)
+        self._publish(writes)

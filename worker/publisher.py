@@ -75,11 +75,10 @@ class Publisher:
             f"{info.get('host')}; give this worker another id (MLXCEL_WORKER_ID)"
         )
 
-    def register(self, pipe: Any) -> None:
-        pipe.sadd(keys.workers_roster(), self.worker_id)
+    def register(self, pipe: Any, gauges: dict[str, Any]) -> None:
+        """Liveness and gauges together, so a reader that sees the worker alive sees its state."""
         pipe.delete(self._k_info)
-        pipe.hset(self._k_info, mapping=self.info)
-        pipe.expire(self._k_info, keys.LIVENESS_TTL_S)
+        self._write_liveness(pipe, gauges)
 
     def unregister(self, pipe: Any) -> None:
         # Counters and last reject stay: the pool's totals include workers that are gone.

@@ -14,7 +14,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.sample_utils import greedy_sampler
 
 from shared.config import WorkerConfig
 from shared.wire import GenerationRequest, StreamEvent
@@ -24,6 +26,9 @@ from worker.sampling import make_request_sampler
 from worker.text_stream import TextStream
 
 log = logging.getLogger("mlxcel.worker.scheduler")
+
+# A cache hit leaving at most this many prompt tokens to compute starts in one forward pass.
+FAST_START_MAX_TOKENS = 64
 
 
 class AdmissionError(ValueError):
@@ -144,33 +149,88 @@ class Scheduler:
         if self.prompt_cache is not None:
             adopted = self.prompt_cache.try_adopt_cached_prefix(ns, req.session_key, prompt, seq_id)
         cached = adopted.cached_tokens if adopted else 0
-        (uid,) = self.gen.insert(
-            [prompt[cached:]],
-            max_tokens=[req.max_tokens],
-            caches=[adopted.caches] if adopted else None,
-            all_tokens=[list(prompt[:cached])] if adopted else None,
-            samplers=[make_request_sampler(req.temperature, req.top_p, req.seed)],
-        )
+        sampler = make_request_sampler(req.temperature, req.top_p, req.seed)
         seq = _Sequence(
             request=req,
-            uid=uid,
+            uid=-1,
             seq_id=seq_id,
             namespace=ns,
             text=TextStream(self.tokenizer.detokenizer, list(req.stop)),
             cached_tokens=cached,
             admitted_at=time.time(),
         )
-        self._by_uid[uid] = seq
-        self._by_request[req.request_id] = seq
         self.counters.requests += 1
         self.counters.prompt_tokens += len(prompt)
         start = StreamEvent(
-            kind="start",
-            prompt_tokens=len(prompt),
-            cached_tokens=cached,
-            worker_id=self.worker_id,
+            kind="start", prompt_tokens=len(prompt), cached_tokens=cached, worker_id=self.worker_id
+        )
+        if adopted and len(prompt) - cached <= FAST_START_MAX_TOKENS:
+            return self._fast_start(seq, adopted.caches, sampler, start)
+        self._insert(
+            seq,
+            prompt[cached:],
+            req.max_tokens,
+            adopted.caches if adopted else None,
+            list(prompt[:cached]),
+            sampler,
         )
         return StepOutput(req.request_id, [start])
+
+    def _insert(
+        self,
+        seq: _Sequence,
+        tokens: list[int],
+        max_tokens: int,
+        caches: list[Any] | None,
+        cached_tokens: list[int],
+        sampler: Any,
+    ) -> None:
+        """Hand a sequence to BatchGenerator; `caches` hold KV for exactly `cached_tokens`."""
+        (uid,) = self.gen.insert(
+            [tokens],
+            max_tokens=[max_tokens],
+            caches=[caches] if caches is not None else None,
+            all_tokens=[cached_tokens] if caches is not None else None,
+            samplers=[sampler],
+        )
+        seq.uid = uid
+        self._by_uid[uid] = seq
+        self._by_request[seq.request.request_id] = seq
+
+    def _fast_start(
+        self, seq: _Sequence, caches: list[Any], sampler: Any, start: StreamEvent
+    ) -> StepOutput:
+        """A cache hit that leaves a short remainder: prefill it and sample the first token in ONE
+        forward pass, here, instead of BatchGenerator's remainder pass plus a separate last-token
+        pass two steps later. On CPU a pass over a few tokens costs about one weight read, so
+        this halves warm TTFT. Long remainders still take the chunked prefill, so the running
+        streams never wait on them; this one short pass delays them by about one step."""
+        req = seq.request
+        remaining = req.prompt_tokens[seq.cached_tokens :]
+        with mx.stream(self.gen.stream):
+            logits = self.model(mx.array([remaining]), cache=caches)[:, -1, :]
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            token = int((sampler or greedy_sampler)(logprobs).item())
+        self.counters.batch_prefill_tokens += len(remaining)
+        self.counters.completion_tokens += 1
+        seq.completion_tokens = 1
+        events = [start]
+        reason = "stop" if token in self.tokenizer.eos_token_ids else None
+        if reason is None:
+            delta = seq.text.push(token)
+            events.append(StreamEvent(kind="delta", text=delta.text, token_ids=[token]))
+            if delta.stopped:
+                reason = "stop"
+            elif req.max_tokens == 1:
+                reason = "length"
+        if reason is not None:
+            # The KV covers the prompt; the sampled token was never fed back.
+            fin = self._finish(seq, reason, caches, list(req.prompt_tokens))
+            fin.events[:0] = events
+            return fin
+        # BatchGenerator takes the sampled token as the last "prompt" token and goes on from it.
+        self._insert(seq, [token], req.max_tokens - 1, caches, list(req.prompt_tokens), sampler)
+        return StepOutput(req.request_id, events)
 
     # -- decode ----------------------------------------------------------------------------
 
