@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,9 @@ from shared.wire import GenerationRequest, MsgpackSerializer, WireError
 log = logging.getLogger("mlxcel.worker.intake")
 
 RESULT_TTL_S = 600
+# A burst's jobs arrive a few ms apart (the router tokenizes and enqueues each): a pause this long
+# ends the burst.
+GATHER_GAP_S = 0.004
 
 
 @dataclass
@@ -93,27 +97,36 @@ class RqIntake:
         except redis.RedisError:
             log.warning("could not register worker death (Redis unreachable)")
 
-    def take(self, max_jobs: int, block_s: float | None) -> list[TakenJob]:
+    def take(self, max_jobs: int, block_s: float | None, gather_s: float = 0.0) -> list[TakenJob]:
         """Dequeue up to `max_jobs` jobs; block up to `block_s` for the first one (None: don't
-        block). Each job taken is marked started (Execution, StartedJobRegistry) in one pipeline."""
-        taken: list[tuple[Job, Queue]] = []
-        timeout = None if block_s is None else max(1, round(block_s))
-        while len(taken) < max_jobs:
-            try:
-                got = Queue.dequeue_any(
-                    self.queues,
-                    timeout if not taken else None,
-                    connection=self.connection,
-                    serializer=MsgpackSerializer,
-                )
-            except DequeueTimeout:
-                got = None
-            if got is None:
-                break
-            taken.append(got)
-        if not taken:
+        block). With `gather_s`, keep taking the jobs of a burst until it pauses (GATHER_GAP_S)
+        or the window ends, so they prefill as one batch. Each job taken is marked started
+        (Execution, StartedJobRegistry) in one pipeline."""
+        first = self._dequeue(None if block_s is None else max(1, round(block_s)))
+        if first is None:
             return []
+        taken = [first]
+        deadline = time.monotonic() + gather_s
+        quiet_until = time.monotonic() + min(GATHER_GAP_S, gather_s)
+        while len(taken) < max_jobs:
+            got = self._dequeue(None)
+            now = time.monotonic()
+            if got is not None:
+                taken.append(got)
+                quiet_until = now + GATHER_GAP_S
+            elif now >= min(deadline, quiet_until):
+                break
+            else:
+                time.sleep(0.001)
         return self._start(taken)
+
+    def _dequeue(self, timeout: int | None) -> tuple[Job, Queue] | None:
+        try:
+            return Queue.dequeue_any(
+                self.queues, timeout, connection=self.connection, serializer=MsgpackSerializer
+            )
+        except DequeueTimeout:
+            return None
 
     def _start(self, taken: list[tuple[Job, Queue]]) -> list[TakenJob]:
         out: list[TakenJob] = []
@@ -124,7 +137,6 @@ class RqIntake:
                 job.prepare_for_execution(self.name, pipeline=pipe)
                 pipe.lrem(queue.intermediate_queue_key, 0, job.id)
                 out.append(self._parse(job, execution))
-            self.set_busy(True, pipe)
             pipe.execute()
         return out
 
@@ -137,6 +149,7 @@ class RqIntake:
         return TakenJob(job, execution, request)
 
     def set_busy(self, busy: bool, pipe: Any) -> None:
+        """rq's busy/idle state; written only from the publisher's pipeline, in step order."""
         if busy != self._busy:
             self._busy = busy
             self.rq_worker.set_state(WorkerStatus.BUSY if busy else WorkerStatus.IDLE, pipe)

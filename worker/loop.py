@@ -1,12 +1,17 @@
-"""The worker's loop, read top to bottom like rq's `work()`: take jobs, admit them into the batch,
-run one step, publish that step in one pipeline, act on what came back (cancels, control
-commands), repeat. The first SIGTERM/SIGINT asks for a warm stop (finish what runs, take no more
-work); a second forces a cold stop."""
+"""The worker's loop, read top to bottom like rq's `work()`: act on what the last publish read back
+(cancels, control commands), take jobs, admit them into the batch, run one step, hand that step's
+writes to the publisher thread, repeat. The first SIGTERM/SIGINT asks for a warm stop (finish what
+runs, take no more work); a second forces a cold stop.
+
+Publishing runs on one background thread, in step order, so the Redis round trip overlaps the
+next decode step (mx.eval releases the GIL) instead of adding to it; what it reads back is acted on
+one step later."""
 
 from __future__ import annotations
 
 import logging
 import signal
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +22,7 @@ from shared.wire import ControlCommand, ControlReply, StreamEvent
 from worker.intake import RqIntake, TakenJob
 from worker.metrics_sink import MetricsSink
 from worker.prompt_cache.policy import PromptCache
-from worker.publisher import Publisher, StepWrites
+from worker.publisher import Publisher, PublishResult, StepWrites
 from worker.scheduler import Scheduler, StepOutput
 
 log = logging.getLogger("mlxcel.worker")
@@ -33,10 +38,16 @@ class WorkerLoop:
     prompt_cache: PromptCache | None
     metrics: MetricsSink
     static_gauges: dict[str, Any]
+    # When idle, how long a burst of arrivals may be gathered to prefill as one batch.
+    admission_window_s: float = 0.0
     jobs: dict[str, TakenJob] = field(default_factory=dict)
     _stop_requests: int = 0
     _queued: int = 0
     _last_reject_sent: dict[str, Any] | None = None
+    _pending: Future[PublishResult] | None = None
+    _executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="publish")
+    )
 
     def install_signal_handlers(self) -> None:
         def ask_stop(signum: int, _frame: Any) -> None:
@@ -60,6 +71,7 @@ class WorkerLoop:
 
     def iterate(self) -> None:
         writes = StepWrites()
+        self._act_on_reads(writes)
         if self._stop_requests == 0:
             self._take_jobs(writes)
         for out in self.scheduler.step():
@@ -73,7 +85,11 @@ class WorkerLoop:
         idle = not self.jobs
         if not idle and self._queued <= 0:
             return  # the last step's pipeline saw nothing queued: no extra round trip
-        for taken in self.intake.take(slots, IDLE_BLOCK_S if idle else None):
+        block, gather = (IDLE_BLOCK_S, self.admission_window_s) if idle else (None, 0.0)
+        taken_jobs = self.intake.take(slots, block, gather)
+        if taken_jobs:
+            log.info("admitting %d job(s); %d running", len(taken_jobs), len(self.jobs))
+        for taken in taken_jobs:
             if taken.request is None:
                 self._collect(
                     StepOutput(
@@ -110,6 +126,7 @@ class WorkerLoop:
             writes.ended.append(lambda p, t=taken, e=out.error: self.intake.fail(p, t, e))
 
     def _publish(self, writes: StepWrites) -> None:
+        """Drain this step's counters and hand everything to the publisher thread."""
         counters = self.scheduler.counters.take()
         if self.prompt_cache is not None:
             counters.update(self.prompt_cache.counters.take())
@@ -118,26 +135,33 @@ class WorkerLoop:
                 writes.last_reject = self._last_reject_sent = dict(last)
         writes.counters = counters
         self.metrics.apply(counters, self.scheduler.active)
-        if not self.jobs:
-            writes.ended.append(lambda p: self.intake.set_busy(False, p))
-        result = self.publisher.publish(
-            writes,
-            active_request_ids=list(self.jobs),
-            gauges=self._gauges,
-            heartbeat=lambda p: self.intake.heartbeat(p, list(self.jobs.values())),
-        )
+        busy = bool(self.jobs)
+        writes.ended.append(lambda p: self.intake.set_busy(busy, p))
+        if self.publisher.liveness_due():
+            writes.gauges = self._gauges()
+            running = list(self.jobs.values())
+            writes.ended.append(lambda p: self.intake.heartbeat(p, running))
+        self._flush()  # at most one step in flight (normally already consumed by _act_on_reads)
+        self._pending = self._executor.submit(self.publisher.publish, writes, list(self.jobs))
+
+    def _act_on_reads(self, writes: StepWrites) -> None:
+        """The last publish's reads: drop cancelled requests, run control commands. It had a whole
+        step to finish, so this rarely waits; a Redis error it met is raised here."""
+        if self._pending is None:
+            return
+        result, self._pending = self._pending.result(), None
         self._queued = result.queued
-        if result.cancelled:
-            again = StepWrites()
-            for rid in result.cancelled:
-                out = self.scheduler.cancel(rid)
-                if out is not None:
-                    self._collect(out, again)
-            self.publisher.publish(
-                again, active_request_ids=[], gauges=None, heartbeat=lambda p: None
-            )
+        for rid in result.cancelled:
+            out = self.scheduler.cancel(rid)
+            if out is not None:
+                self._collect(out, writes)
         for cmd in result.commands:
             self._handle_command(cmd)
+
+    def _flush(self) -> None:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
 
     def _gauges(self) -> dict[str, Any]:
         g: dict[str, Any] = dict(self.static_gauges)
@@ -165,7 +189,9 @@ class WorkerLoop:
 
     def shutdown(self) -> None:
         try:
+            self._flush()
             self._fail_running("worker stopped before the request finished")
+            self._flush()
             with self.publisher.r.pipeline(transaction=False) as pipe:
                 self.publisher.unregister(pipe)
                 pipe.execute()

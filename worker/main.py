@@ -144,4 +144,5 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
         prompt_cache=prompt_cache,
         metrics=MetricsSink(),
         static_gauges=static_gauges,
+        admission_window_s=settings.worker.admission_window_ms / 1000,
     )

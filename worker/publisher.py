@@ -39,6 +39,7 @@ class StepWrites:
     ended: list[Any] = field(default_factory=list)  # callables(pipe) doing rq bookkeeping
     counters: dict[str, int] = field(default_factory=dict)
     last_reject: dict[str, Any] | None = None
+    gauges: dict[str, Any] | None = None  # with liveness, when due
 
 
 class Publisher:
@@ -84,19 +85,17 @@ class Publisher:
         # Counters and last reject stay: the pool's totals include workers that are gone.
         pipe.delete(self._k_info, self._k_gauges)
 
-    def publish(
-        self,
-        writes: StepWrites,
-        *,
-        active_request_ids: list[str],
-        gauges: dict[str, Any] | None,
-        heartbeat: Any,
-        now: float | None = None,
-    ) -> PublishResult:
-        """Send one step's writes and reads in a single pipeline. `gauges` is called lazily
-        (a dict-returning callable) only when the gauge interval has passed; `heartbeat(pipe)`
-        adds rq's heartbeats at the same cadence."""
+    def liveness_due(self, now: float | None = None) -> bool:
+        """Gauges and heartbeats go out at most once per GAUGE_INTERVAL_S (the caller builds
+        them on its own thread, then hands them to `publish`)."""
         now = time.monotonic() if now is None else now
+        if now - self._last_gauges < GAUGE_INTERVAL_S:
+            return False
+        self._last_gauges = now
+        return True
+
+    def publish(self, writes: StepWrites, active_request_ids: list[str]) -> PublishResult:
+        """Send one step's writes and reads in a single pipeline."""
         with self.r.pipeline(transaction=False) as pipe:
             for rid, packed in writes.events.items():
                 stream = keys.request_stream(rid)
@@ -109,10 +108,8 @@ class Publisher:
                 pipe.hincrby(self._k_counters, name, delta)
             if writes.last_reject is not None:
                 pipe.hset(self._k_last, mapping=_strs(writes.last_reject))
-            if now - self._last_gauges >= GAUGE_INTERVAL_S:
-                self._last_gauges = now
-                self._write_liveness(pipe, gauges() if callable(gauges) else (gauges or {}))
-                heartbeat(pipe)
+            if writes.gauges is not None:
+                self._write_liveness(pipe, writes.gauges)
             n_reads = len(pipe)
             if active_request_ids:
                 pipe.mget([keys.request_cancel(rid) for rid in active_request_ids])
