@@ -135,8 +135,11 @@ class WorkerCacheSnapshot:
             alive=bool(info),
             counters=dict(zip(COUNTER_FIELDS, counters, strict=True)),
             gauges=dict(zip(GAUGE_FIELDS, gauges, strict=True)),
-            settings={f: _str(v) for f, v in zip(SETTING_FIELDS, settings, strict=True)},
-            info={_str(k): _str(v) for k, v in info.items()},
+            settings={
+                f: v.decode() if v is not None else ""
+                for f, v in zip(SETTING_FIELDS, settings, strict=True)
+            },
+            info={k.decode(): v.decode() for k, v in info.items()},
         )
         lr = dict(zip(LAST_REJECT_FIELDS, last_reject, strict=True))
         if lr.get("reason"):
@@ -188,24 +191,26 @@ def _stats_shape(
     return ordered
 
 
+def _column_sums(fields: tuple[str, ...], rows: list[dict[str, int]]) -> dict[str, int]:
+    if not rows:
+        return dict.fromkeys(fields, 0)
+    columns = zip(*(r.values() for r in rows), strict=True)
+    return dict(zip(fields, map(sum, columns), strict=True))
+
+
 def merge_pool(workers: list[WorkerCacheSnapshot]) -> dict[str, Any]:
     """The pool's `/v1/cache/stats`: counters summed over every worker ever seen (dead ones too),
     gauges and limits summed over live workers, rates recomputed from the sums, the most recent
     last reject with its worker id, and a per-worker breakdown."""
-    counters = dict.fromkeys(COUNTER_FIELDS, 0)
-    gauges = dict.fromkeys(GAUGE_FIELDS, 0)
-    settings: dict[str, str] = {}
+    # Column sums over the dicts' values (each in its field list's order): C loops, not
+    # 64 x 60 Python additions.
+    counters = _column_sums(COUNTER_FIELDS, [w.counters for w in workers])
+    gauges = _column_sums(GAUGE_FIELDS, [w.gauges for w in workers if w.alive])
+    live = [w for w in workers if w.alive]
+    enabled = [w for w in live if w.settings.get("enabled") == "1"]
+    settings = dict((enabled or live)[0].settings) if live else {}
     last: dict[str, Any] | None = None
     for w in workers:
-        for f in COUNTER_FIELDS:
-            counters[f] += w.counters[f]
-        if w.alive:
-            for f in GAUGE_FIELDS:
-                gauges[f] += w.gauges[f]
-            if not settings or (
-                w.settings.get("enabled") == "1" and settings.get("enabled") != "1"
-            ):
-                settings = dict(w.settings)
         if w.last_reject and (last is None or w.last_reject["at_unix_ms"] > last["at_unix_ms"]):
             last = {**w.last_reject, "worker_id": w.worker_id}
     pool = _stats_shape(counters, gauges, settings, last)

@@ -88,7 +88,7 @@ class WorkerLoop:
         block, gather = (IDLE_BLOCK_S, self.admission_window_s) if idle else (None, 0.0)
         taken_jobs = self.intake.take(slots, block, gather)
         if taken_jobs:
-            log.info("admitting %d job(s); %d running", len(taken_jobs), len(self.jobs))
+            log.debug("admitting %d job(s); %d running", len(taken_jobs), len(self.jobs))
         for taken in taken_jobs:
             if taken.request is None:
                 self._collect(

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+import orjson
 from fastapi import APIRouter, Response
 
 from router.cache_control import reset_pool_cache
@@ -16,8 +16,8 @@ router = APIRouter()
 
 @router.get("/v1/cache/stats")
 async def cache_stats(state: StateDep) -> Response:
-    # Plain json.dumps: FastAPI's jsonable_encoder walks the 64-worker breakdown ~10x slower.
-    body = json.dumps(await pool_cache_stats(state.pool_script))
+    # orjson directly: FastAPI's jsonable_encoder took ~9 ms on a 64-worker breakdown.
+    body = orjson.dumps(await pool_cache_stats(state.pool_script))
     return Response(body, media_type="application/json")
 
 
