@@ -30,8 +30,13 @@ async def pool_health(state: RouterState) -> tuple[bool, dict[str, Any]]:
         "workers_alive": len(live),
         "queue_depth": depths[0],
         "workers": [
-            {"worker_id": w.worker_id, "queue_depth": depth, **w.info}
+            {"worker_id": w.worker_id, "queue_depth": depth, **w.info, **_cache_mode(w.settings)}
             for w, depth in zip(live, depths[1:], strict=True)
         ],
     }
     return bool(live), body
+
+
+def _cache_mode(settings: dict[str, str]) -> dict[str, str]:
+    """The load-time cacheability check's verdict and the storage mode it chose."""
+    return {k: settings[k] for k in ("cacheability", "storage_mode") if settings.get(k)}

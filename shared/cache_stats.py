@@ -1,9 +1,9 @@
 """The prompt-cache stats schema (spec: `GET /v1/cache/stats` fields) and the pool-wide merge.
 
-A worker keeps three Redis hashes (see shared.keys): `counters` (monotonic, HINCRBY deltas, no TTL,
-so a dead or restarted worker still counts), `gauges` (current state and limits, HSET with the
-liveness TTL, so a dead worker's cache no longer counts) and `last_reject` (named fields).
-The router merges them; both sides use the field lists below.
+A worker keeps two Redis hashes (see shared.keys): `cache:counters` (monotonic HINCRBY deltas and
+the last reject as named fields; no TTL, so a dead or restarted worker still counts) and `info`
+(identity, settings and the current gauges, with the liveness TTL, so a dead worker's cache no
+longer counts). The router merges them; both sides use the field lists below.
 """
 
 from __future__ import annotations
@@ -74,6 +74,14 @@ SETTING_FIELDS: tuple[str, ...] = (
 )
 
 LAST_REJECT_FIELDS: tuple[str, ...] = ("reason", "seq_id", "context_len", "at_unix_ms")
+# Where the last reject lives: named fields of the counters hash (it never expires either).
+LAST_REJECT_HASH_FIELDS: tuple[str, ...] = tuple(f"last_reject_{f}" for f in LAST_REJECT_FIELDS)
+
+# The worker's identity in its info hash, beside its gauges and settings.
+INFO_FIELDS: tuple[str, ...] = (
+    "worker_id", "model", "pid", "host", "started_at", "rq_name", "batch_size",
+    "storage_modes", "last_seen",
+)  # fmt: skip
 
 # The spec's field order for `/v1/cache/stats`.
 SPEC_FIELDS: tuple[str, ...] = (
@@ -123,23 +131,21 @@ class WorkerCacheSnapshot:
     def from_values(
         cls,
         worker_id: str,
-        info: dict[Any, Any],
         counters: list[int],
         gauges: list[int],
         settings: list[Any],
+        info: list[Any],
         last_reject: list[Any],
     ) -> WorkerCacheSnapshot:
-        """From values read in the field lists' order (the router's Lua read)."""
+        """From values read in the field lists' order (the router's Lua read); `info` holds
+        INFO_FIELDS, all None when the info hash has expired (the worker is gone)."""
         snap = cls(
             worker_id=worker_id,
-            alive=bool(info),
+            alive=any(v is not None for v in info),
             counters=dict(zip(COUNTER_FIELDS, counters, strict=True)),
             gauges=dict(zip(GAUGE_FIELDS, gauges, strict=True)),
-            settings={
-                f: v.decode() if v is not None else ""
-                for f, v in zip(SETTING_FIELDS, settings, strict=True)
-            },
-            info={k.decode(): v.decode() for k, v in info.items()},
+            settings={f: _str(v) for f, v in zip(SETTING_FIELDS, settings, strict=True)},
+            info={f: _str(v) for f, v in zip(INFO_FIELDS, info, strict=True) if v is not None},
         )
         lr = dict(zip(LAST_REJECT_FIELDS, last_reject, strict=True))
         if lr.get("reason"):

@@ -8,10 +8,14 @@ choose the queue and worker names. Everything else lives under one prefix, `mlxc
 | `mlxcel:req:<req_id>:stream` | stream | worker writes, router reads | REQUEST_TTL_S |
 | `mlxcel:req:<req_id>:cancel` | string | router writes, worker reads | REQUEST_TTL_S |
 | `mlxcel:workers` | set | worker adds itself | none (the pool's roster: totals outlive workers) |
-| `mlxcel:worker:<wid>:info` | hash | worker | LIVENESS_TTL_S (its liveness) |
-| `mlxcel:worker:<wid>:cache:counters` | hash | worker (HINCRBY) | none: counts never go backwards |
-| `mlxcel:worker:<wid>:cache:gauges` | hash | worker (HSET) | LIVENESS_TTL_S |
-| `mlxcel:worker:<wid>:cache:last_reject` | hash | worker | none |
+| `mlxcel:worker:<wid>:info` | hash | worker: identity, settings, gauges | LIVENESS_TTL_S |
+| `mlxcel:worker:<wid>:cache:counters` | hash | worker: counters, last reject | none |
+
+The info hash's TTL is the worker's liveness; the counters never expire, so counts never go
+backwards and a dead worker still counts.
+
+Two hashes per worker on purpose: the pool-wide stats read touches each worker twice, in one Lua
+script (Redis time there grows with the number of calls).
 | `mlxcel:worker:<wid>:control` | list | router pushes, worker pops | CONTROL_TTL_S |
 | `mlxcel:control:<reply_id>:reply` | list | worker pushes, router pops | CONTROL_TTL_S |
 """
@@ -63,14 +67,6 @@ def worker_cache_counters(worker_id: str) -> str:
     return f"{PREFIX}:worker:{worker_id}:cache:counters"
 
 
-def worker_cache_gauges(worker_id: str) -> str:
-    return f"{PREFIX}:worker:{worker_id}:cache:gauges"
-
-
-def worker_cache_last_reject(worker_id: str) -> str:
-    return f"{PREFIX}:worker:{worker_id}:cache:last_reject"
-
-
 def worker_control(worker_id: str) -> str:
     return f"{PREFIX}:worker:{worker_id}:control"
 
@@ -84,8 +80,6 @@ def control_reply(reply_id: str) -> str:
 WORKER_KEY_TEMPLATES: dict[str, str] = {
     "info": worker_info("{wid}"),
     "counters": worker_cache_counters("{wid}"),
-    "gauges": worker_cache_gauges("{wid}"),
-    "last_reject": worker_cache_last_reject("{wid}"),
 }
 
 
@@ -107,7 +101,7 @@ def parse_key(key: str) -> ParsedKey:
         part = ":".join(parts[3:])
         allowed = {
             "req": {"stream", "cancel"},
-            "worker": {"info", "cache:counters", "cache:gauges", "cache:last_reject", "control"},
+            "worker": {"info", "cache:counters", "control"},
             "control": {"reply"},
         }[parts[1]]
         if part in allowed:

@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 from shared import keys
-from shared.cache_stats import COUNTER_FIELDS, GAUGE_FIELDS, LAST_REJECT_FIELDS, SETTING_FIELDS
+from shared.cache_stats import (
+    COUNTER_FIELDS,
+    GAUGE_FIELDS,
+    INFO_FIELDS,
+    LAST_REJECT_FIELDS,
+    LAST_REJECT_HASH_FIELDS,
+    SETTING_FIELDS,
+)
 from shared.config import DEFAULTS_PATH, ENV_VARS, TRACE_ENV
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -59,7 +66,9 @@ def test_rq_keys_we_use_are_documented() -> None:
 
 
 @pytest.mark.parametrize(
-    "field", sorted({*COUNTER_FIELDS, *GAUGE_FIELDS, *SETTING_FIELDS, *LAST_REJECT_FIELDS})
+    "field",
+    sorted({*COUNTER_FIELDS, *GAUGE_FIELDS, *SETTING_FIELDS, *LAST_REJECT_FIELDS,
+            *LAST_REJECT_HASH_FIELDS, *INFO_FIELDS}),
 )
 def test_cache_hash_fields_are_documented(field: str) -> None:
     assert f"`{field}`" in KEYS_DOC
@@ -82,8 +91,6 @@ def test_mlxcel_keys_parse_back(name: str) -> None:
         "req": {"stream": keys.request_stream, "cancel": keys.request_cancel},
         "control": {"reply": keys.control_reply},
         "worker": {"info": keys.worker_info, "cache:counters": keys.worker_cache_counters,
-                   "cache:gauges": keys.worker_cache_gauges,
-                   "cache:last_reject": keys.worker_cache_last_reject,
                    "control": keys.worker_control},
     }  # fmt: skip
     if parsed.kind == "workers":

@@ -69,8 +69,8 @@ def assert_rejects_everywhere(pool, worker_log: str, worker_id: str,
         return {x.value: int(h.get(x.stats_field, 0)) for x in REJECT_REASONS}
 
     wait_for(lambda: redis_counts() == want, 10, f"Redis counters {want}")
-    lr = r.hgetall(keys.worker_cache_last_reject(worker_id))
-    assert lr["reason"] == last and int(lr["at_unix_ms"]) > 0
+    counters = r.hgetall(keys.worker_cache_counters(worker_id))
+    assert counters["last_reject_reason"] == last and int(counters["last_reject_at_unix_ms"]) > 0
 
     merged = stats(pool)
     assert {x.value: merged[x.stats_field] for x in REJECT_REASONS} == want

@@ -226,12 +226,13 @@ def test_cache_stats_with_no_workers(client: httpx.Client) -> None:
 def _fake_worker(r: redis.Redis, wid: str, alive: bool, counters: dict[str, int],
                  gauges: dict[str, int], reject: dict[str, Any] | None) -> None:  # fmt: skip
     r.sadd(keys.workers_roster(), wid)
-    if alive:
-        r.hset(keys.worker_info(wid), mapping={"pid": "1"})
+    if alive:  # a dead worker's info hash (identity, settings, gauges) has expired
+        info = {"pid": "1", **gauges, "enabled": "1", "block_size": "16"}
+        r.hset(keys.worker_info(wid), mapping=info)
     r.hset(keys.worker_cache_counters(wid), mapping=counters)
-    r.hset(keys.worker_cache_gauges(wid), mapping={**gauges, "enabled": "1", "block_size": "16"})
     if reject:
-        r.hset(keys.worker_cache_last_reject(wid), mapping=reject)
+        last = {f"last_reject_{k}": v for k, v in reject.items()}
+        r.hset(keys.worker_cache_counters(wid), mapping=last)
 
 
 def test_cache_stats_merges_workers(client: httpx.Client, redis_url: str) -> None:

@@ -55,8 +55,6 @@ class Publisher:
         self.queue_keys = queue_keys
         self.info = info
         self._k_counters = keys.worker_cache_counters(worker_id)
-        self._k_gauges = keys.worker_cache_gauges(worker_id)
-        self._k_last = keys.worker_cache_last_reject(worker_id)
         self._k_info = keys.worker_info(worker_id)
         self._k_control = keys.worker_control(worker_id)
         self._last_gauges = 0.0
@@ -83,7 +81,7 @@ class Publisher:
 
     def unregister(self, pipe: Any) -> None:
         # Counters and last reject stay: the pool's totals include workers that are gone.
-        pipe.delete(self._k_info, self._k_gauges)
+        pipe.delete(self._k_info)
 
     def liveness_due(self, now: float | None = None) -> bool:
         """Gauges and heartbeats go out at most once per GAUGE_INTERVAL_S (the caller builds
@@ -107,7 +105,8 @@ class Publisher:
             for name, delta in writes.counters.items():
                 pipe.hincrby(self._k_counters, name, delta)
             if writes.last_reject is not None:
-                pipe.hset(self._k_last, mapping=_strs(writes.last_reject))
+                last = {f"last_reject_{k}": v for k, v in writes.last_reject.items()}
+                pipe.hset(self._k_counters, mapping=_strs(last))
             if writes.gauges is not None:
                 self._write_liveness(pipe, writes.gauges)
             n_reads = len(pipe)
@@ -120,11 +119,10 @@ class Publisher:
         return self._parse_reads(replies, active_request_ids)
 
     def _write_liveness(self, pipe: Any, gauges: dict[str, Any]) -> None:
-        pipe.hset(self._k_info, mapping={**self.info, "last_seen": f"{time.time():.3f}"})
+        """The info hash is the worker's liveness: identity, settings and gauges, one TTL."""
+        live = {**self.info, **_strs(gauges), "last_seen": f"{time.time():.3f}"}
+        pipe.hset(self._k_info, mapping=live)
         pipe.expire(self._k_info, keys.LIVENESS_TTL_S)
-        if gauges:
-            pipe.hset(self._k_gauges, mapping=_strs(gauges))
-        pipe.expire(self._k_gauges, keys.LIVENESS_TTL_S)
         pipe.sadd(keys.workers_roster(), self.worker_id)
 
     def _parse_reads(self, replies: list[Any], active: list[str]) -> PublishResult:
