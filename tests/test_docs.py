@@ -67,8 +67,16 @@ def test_rq_keys_we_use_are_documented() -> None:
 
 @pytest.mark.parametrize(
     "field",
-    sorted({*COUNTER_FIELDS, *GAUGE_FIELDS, *SETTING_FIELDS, *LAST_REJECT_FIELDS,
-            *LAST_REJECT_HASH_FIELDS, *INFO_FIELDS}),
+    sorted(
+        {
+            *COUNTER_FIELDS,
+            *GAUGE_FIELDS,
+            *SETTING_FIELDS,
+            *LAST_REJECT_FIELDS,
+            *LAST_REJECT_HASH_FIELDS,
+            *INFO_FIELDS,
+        }
+    ),
 )
 def test_cache_hash_fields_are_documented(field: str) -> None:
     assert f"`{field}`" in KEYS_DOC

@@ -77,8 +77,10 @@ def test_whole_prompt_hit_leaves_exactly_one_token(pool, mlx_reference) -> None:
 def test_multi_turn_chat_reuses_previous_turn(pool, mlx_reference) -> None:
     reset(pool)
     tok = mlx_reference.tokenizer
-    messages = [{"role": "system", "content": "You are a terse assistant. " * 6},
-                {"role": "user", "content": "Tell me about Redis streams and consumer groups."}]
+    messages = [
+        {"role": "system", "content": "You are a terse assistant. " * 6},
+        {"role": "user", "content": "Tell me about Redis streams and consumer groups."},
+    ]
     reused = []
     for turn in range(3):
         out = post(pool, "/v1/chat/completions", {"messages": messages})
@@ -86,8 +88,10 @@ def test_multi_turn_chat_reuses_previous_turn(pool, mlx_reference) -> None:
         want_text, _ = mlx_reference.run(ids, MAX_TOKENS)
         assert out["choices"][0]["message"]["content"] == want_text, turn
         reused.append(cached(out))
-        messages += [{"role": "assistant", "content": out["choices"][0]["message"]["content"]},
-                     {"role": "user", "content": f"And what about part {turn + 2}?"}]
+        messages += [
+            {"role": "assistant", "content": out["choices"][0]["message"]["content"]},
+            {"role": "user", "content": f"And what about part {turn + 2}?"},
+        ]
     assert reused[0] == 0
     assert all(n >= 32 for n in reused[1:]), reused
 
