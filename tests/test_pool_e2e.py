@@ -127,3 +127,29 @@ def test_health_models_and_rq_info_show_the_truth(pool) -> None:
     r = redis.Redis.from_url(pool.redis_url)
     finished = FinishedJobRegistry(keys.SHARED_QUEUE, connection=r, serializer=MsgpackSerializer)
     assert finished.count >= 1
+
+
+def _complete(pool, **body: Any) -> dict[str, Any]:
+    body = {"model": "mlxcel-tiny-s0", "max_tokens": 16, **body}
+    resp = httpx.post(f"{pool.url}/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_seeded_sampling_is_reproducible(pool) -> None:
+    sampled = {"prompt": "Once upon a time", "temperature": 1.0, "top_p": 0.9}
+    a = _complete(pool, seed=1234, **sampled)["choices"][0]["text"]
+    b = _complete(pool, seed=1234, **sampled)["choices"][0]["text"]
+    others = {_complete(pool, seed=s, **sampled)["choices"][0]["text"] for s in (1, 2, 3)}
+    assert a == b
+    assert others - {a}, "different seeds should not all sample the same text"
+
+
+def test_stop_string_cuts_the_output(pool, mlx_reference) -> None:
+    prompt = "The quick brown fox"
+    full, _ = mlx_reference.run(mlx_reference.tokenizer.encode(prompt), 24)
+    stop = full[6:9]
+    want = full[: full.index(stop)]
+    out = _complete(pool, prompt=prompt, max_tokens=24, temperature=0, stop=[stop])
+    assert out["choices"][0]["text"] == want
+    assert out["choices"][0]["finish_reason"] == "stop"

@@ -1,7 +1,7 @@
 """The worker's loop, read top to bottom like rq's `work()`: act on what the last publish read back
-(cancels, control commands), take jobs, admit them into the batch, run one step, hand that step's
-writes to the publisher thread, repeat. The first SIGTERM/SIGINT asks for a warm stop (finish what
-runs, take no more work); a second forces a cold stop.
+(cancels, control commands), run one step, take jobs and admit them into the batch, hand the
+step's writes to the publisher thread, repeat. The first SIGTERM/SIGINT asks for a warm stop
+(finish what runs, take no more work); a second forces a cold stop.
 
 Publishing runs on one background thread, in step order, so the Redis round trip overlaps the
 next decode step (mx.eval releases the GIL) instead of adding to it; what it reads back is acted on
@@ -72,10 +72,12 @@ class WorkerLoop:
     def iterate(self) -> None:
         writes = StepWrites()
         self._act_on_reads(writes)
-        if self._stop_requests == 0:
-            self._take_jobs(writes)
         for out in self.scheduler.step():
             self._collect(out, writes)
+        # Admit after the step, so what admission emits (a warm request's first token) goes out
+        # in this step's publish instead of waiting for the next step to finish.
+        if self._stop_requests == 0:
+            self._take_jobs(writes)
         self._publish(writes)
 
     def _take_jobs(self, writes: StepWrites) -> None:
