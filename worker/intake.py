@@ -156,42 +156,35 @@ class RqIntake:
 
     # -- ending jobs: each writes into the caller's pipeline (the publisher's per-step one) --------
 
+    def _end_execution(self, pipe: Any, taken: TakenJob) -> dict[str, Any]:
+        """Close the job's execution (leaves the StartedJobRegistry); rq's handlers' kwargs."""
+        taken.job.ended_at = now()
+        taken.execution.delete(taken.job, pipe)
+        return {
+            "pipeline": pipe,
+            "worker_name": self.name,
+            "execution_id": taken.execution.id,
+            "execution_started_at": taken.execution.created_at,
+            "execution_ended_at": taken.job.ended_at,
+        }
+
     def finish(self, pipe: Any, taken: TakenJob, result: dict[str, Any]) -> None:
         job = taken.job
-        job.ended_at = now()
         job._result = result
-        taken.execution.delete(job, pipe)
-        job._handle_success(
-            RESULT_TTL_S,
-            pipeline=pipe,
-            worker_name=self.name,
-            execution_id=taken.execution.id,
-            execution_started_at=taken.execution.created_at,
-            execution_ended_at=job.ended_at,
-        )
+        job._handle_success(RESULT_TTL_S, **self._end_execution(pipe, taken))
         job.cleanup(RESULT_TTL_S, pipeline=pipe, remove_from_queue=False)
         self.rq_worker.increment_successful_job_count(pipeline=pipe)
 
     def fail(self, pipe: Any, taken: TakenJob, error: str) -> None:
         job = taken.job
-        job.ended_at = now()
         job.set_status(JobStatus.FAILED, pipeline=pipe)
-        taken.execution.delete(job, pipe)
-        job._handle_failure(
-            error,
-            pipeline=pipe,
-            worker_name=self.name,
-            execution_id=taken.execution.id,
-            execution_started_at=taken.execution.created_at,
-            execution_ended_at=job.ended_at,
-        )
+        job._handle_failure(error, **self._end_execution(pipe, taken))
         self.rq_worker.increment_failed_job_count(pipe)
 
     def cancel(self, pipe: Any, taken: TakenJob) -> None:
         job = taken.job
-        job.ended_at = now()
         job.set_status(JobStatus.CANCELED, pipeline=pipe)
-        taken.execution.delete(job, pipe)
+        self._end_execution(pipe, taken)
         CanceledJobRegistry(
             job.origin, connection=self.connection, serializer=MsgpackSerializer
         ).add(job, ttl=RESULT_TTL_S, pipeline=pipe)
