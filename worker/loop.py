@@ -87,7 +87,11 @@ class WorkerLoop:
         idle = not self.jobs
         if not idle and self._queued <= 0:
             return  # the last step's pipeline saw nothing queued: no extra round trip
-        block, gather = (IDLE_BLOCK_S, self.admission_window_s) if idle else (None, 0.0)
+        # Block for work only with nothing to send: a step's last events (a finished request's
+        # `done`) must not wait out the idle timeout.
+        pending_writes = bool(writes.events or writes.ended)
+        block = IDLE_BLOCK_S if idle and not pending_writes else None
+        gather = self.admission_window_s if idle else 0.0
         taken_jobs = self.intake.take(slots, block, gather)
         if taken_jobs:
             log.debug("admitting %d job(s); %d running", len(taken_jobs), len(self.jobs))
