@@ -59,7 +59,7 @@ class WorkerConfig(_Section):
     # snapshot-only since such a cache cannot be cut back.
     max_kv_size: int = Field(0, ge=0)
     # Idle worker: gather a burst of arrivals for up to this long so they prefill as one batch.
-    admission_window_ms: float = Field(20, ge=0, le=1000)
+    admission_window_ms: float = Field(30, ge=0, le=1000)
 
     @field_validator("id")
     @classmethod

@@ -37,7 +37,7 @@ log = logging.getLogger("mlxcel.worker.intake")
 RESULT_TTL_S = 600
 # A burst's jobs arrive a few ms apart (the router tokenizes and enqueues each): a pause this long
 # ends the burst.
-GATHER_GAP_S = 0.004
+GATHER_GAP_S = 0.008
 
 
 @dataclass

@@ -15,6 +15,7 @@ from shared.model_paths import built_model_dir, model_id_for
 
 if TYPE_CHECKING:
     from worker.loop import WorkerLoop
+    from worker.prompt_cache.policy import PromptCache
 
 log = logging.getLogger("mlxcel.worker")
 
@@ -61,14 +62,11 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
     Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]).mkdir(parents=True, exist_ok=True)
 
     import redis
-    from mlx_lm import load
 
     from worker import blas
     from worker.intake import RqIntake
     from worker.loop import WorkerLoop
     from worker.metrics_sink import MetricsSink
-    from worker.prompt_cache.cacheability import check_model, resolve_storage_mode
-    from worker.prompt_cache.policy import PromptCache
     from worker.publisher import Publisher
     from worker.scheduler import Scheduler
 
@@ -76,48 +74,18 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
     if not settings.redis.url:
         log.error("REDIS_URL is not set: the worker needs the pool's Redis")
         return None
-    model_dir = (
-        Path(settings.model.path) if settings.model.path else built_model_dir(settings.cache_dir)
-    )
-    if not model_dir.exists() and not settings.model.path:
-        from worker.model_builder import ensure_model
-
-        model_dir = ensure_model(settings.cache_dir)
     worker_id = resolve_worker_id(settings)
+    model_dir = _model_dir(settings)
     model_id = model_id_for(model_dir, settings.model.id)
-    t0 = time.perf_counter()
-    model, tokenizer = load(str(model_dir))
-    log.info(
-        "worker %s loaded model %s from %s in %.1fs",
-        worker_id,
-        model_id,
-        model_dir,
-        time.perf_counter() - t0,
-    )
-
-    pc_cfg = settings.prompt_cache
-    cacheability = check_model(model, settings.worker.max_kv_size or None)
-    storage = resolve_storage_mode(pc_cfg.storage, settings.worker.batch_size, cacheability)
-    log.info(
-        "prompt cache: model cache is %s (%s); storage mode %s; cache %s",
-        cacheability.kind,
-        cacheability.reason,
-        storage,
-        "enabled" if pc_cfg.enabled else "disabled",
-    )
-    prompt_cache = None
-    if storage != "none":
-        prompt_cache = PromptCache(
-            pc_cfg, model_id=model_id, storage_mode=storage, worker_id=worker_id
-        )
+    model, tokenizer = _load(model_dir, model_id, worker_id)
+    prompt_cache, settings_gauges = _prompt_cache(settings, model, model_id, worker_id)
     conn = redis.Redis.from_url(settings.redis.url)
     intake = RqIntake(conn, worker_id)
     info = {
         "worker_id": worker_id, "model": model_id, "pid": str(os.getpid()),
         "host": socket.gethostname(), "started_at": f"{time.time():.3f}",
         "rq_name": intake.name, "batch_size": str(settings.worker.batch_size),
-        "cacheability": cacheability.kind, "storage_mode": storage,
-        "storage_modes": ",".join(cacheability.storage_modes),
+        "storage_modes": settings_gauges.pop("storage_modes"),
     }  # fmt: skip
     scheduler = Scheduler(
         model,
@@ -128,21 +96,63 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
         context_length=context_length(model_dir, model),
         prompt_cache=prompt_cache,
     )
-    static_gauges = {
-        "enabled": "1" if (pc_cfg.enabled and prompt_cache is not None) else "0",
-        "apc_enabled": "1" if pc_cfg.apc_enabled else "0",
-        "block_size": pc_cfg.apc_block_size, "hash": pc_cfg.apc_hash,
-        "paged_block_size": 0, "storage_mode": storage, "cacheability": cacheability.kind,
-        "capacity_bytes": pc_cfg.capacity_bytes, "max_entries": pc_cfg.max_entries,
-        "snapshot_capacity_bytes": pc_cfg.snapshot_capacity_bytes,
-        "snapshot_max_entries": pc_cfg.snapshot_max_entries,
-    }  # fmt: skip
     return WorkerLoop(
         intake=intake,
         scheduler=scheduler,
         publisher=Publisher(conn, worker_id, intake.queue_keys, info),
         prompt_cache=prompt_cache,
         metrics=MetricsSink(),
-        static_gauges=static_gauges,
+        static_gauges=settings_gauges,
         admission_window_s=settings.worker.admission_window_ms / 1000,
     )
+
+
+def _model_dir(settings: Settings) -> Path:
+    if settings.model.path:
+        return Path(settings.model.path)
+    model_dir = built_model_dir(settings.cache_dir)
+    if not model_dir.exists():
+        from worker.model_builder import ensure_model
+
+        model_dir = ensure_model(settings.cache_dir)
+    return model_dir
+
+
+def _load(model_dir: Path, model_id: str, worker_id: str) -> tuple[Any, Any]:
+    from mlx_lm import load
+
+    t0 = time.perf_counter()
+    model, tokenizer = load(str(model_dir))
+    log.info("worker %s loaded model %s from %s in %.1fs", worker_id, model_id, model_dir,
+             time.perf_counter() - t0)  # fmt: skip
+    return model, tokenizer
+
+
+def _prompt_cache(
+    settings: Settings, model: Any, model_id: str, worker_id: str
+) -> tuple[PromptCache | None, dict[str, Any]]:
+    """The load-time cacheability check decides the storage mode (or no cache at all); returns
+    the cache and the settings and limits the worker reports beside its gauges."""
+    from worker.prompt_cache.cacheability import check_model, resolve_storage_mode
+    from worker.prompt_cache.policy import PromptCache
+
+    pc = settings.prompt_cache
+    cacheability = check_model(model, settings.worker.max_kv_size or None)
+    storage = resolve_storage_mode(pc.storage, settings.worker.batch_size, cacheability)
+    log.info("prompt cache: model cache is %s (%s); storage mode %s; cache %s",
+             cacheability.kind, cacheability.reason, storage,
+             "enabled" if pc.enabled else "disabled")  # fmt: skip
+    cache = None
+    if storage != "none":
+        cache = PromptCache(pc, model_id=model_id, storage_mode=storage, worker_id=worker_id)
+    reported = {
+        "enabled": "1" if (pc.enabled and cache is not None) else "0",
+        "apc_enabled": "1" if pc.apc_enabled else "0",
+        "block_size": pc.apc_block_size, "hash": pc.apc_hash,
+        "paged_block_size": 0, "storage_mode": storage, "cacheability": cacheability.kind,
+        "storage_modes": ",".join(cacheability.storage_modes),
+        "capacity_bytes": pc.capacity_bytes, "max_entries": pc.max_entries,
+        "snapshot_capacity_bytes": pc.snapshot_capacity_bytes,
+        "snapshot_max_entries": pc.snapshot_max_entries,
+    }  # fmt: skip
+    return cache, reported
