@@ -21,7 +21,7 @@ lint: install
 
 # Each bench/*.py is a standalone script; --quick keeps it short.
 bench: install
-	@set -e; for f in bench/*.py; do \
+	@set -e; for f in bench/bench_*.py; do \
 		[ -e "$$f" ] || continue; \
 		echo "== $$f"; $(PY) "$$f" --quick; \
 	done

@@ -9,6 +9,7 @@ line is built lazily and filtered).
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 import time
@@ -60,4 +61,8 @@ def main(events: int = 200_000) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 200_000)
+    ap = argparse.ArgumentParser(description="Per-event cost of recording a prompt-cache reject")
+    ap.add_argument("events", nargs="?", type=int, default=200_000)
+    ap.add_argument("--quick", action="store_true", help="20,000 events")
+    args = ap.parse_args()
+    main(20_000 if args.quick else args.events)
