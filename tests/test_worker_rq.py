@@ -156,3 +156,18 @@ def test_a_second_live_worker_with_the_same_id_is_refused(
     assert proc.returncode == 2
     assert "worker id 'w1' is in use" in proc.stdout + proc.stderr
     assert [w.name for w in Worker.all(connection=redis.Redis.from_url(redis_url))] == ["mlxcel-w1"]
+
+
+def test_rq_worker_record_counts_jobs_and_working_time(redis_url, start_worker) -> None:
+    r = redis.Redis.from_url(redis_url)
+    start_worker(redis_url, "w1")
+    read_events(r, enqueue(r, [5, 6, 7], max_tokens=20))
+    read_events(r, enqueue(r, [5, 6, 10**6], max_tokens=2))  # fails: id outside the vocab
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        (w,) = Worker.all(connection=r)
+        if w.successful_job_count == 1 and w.failed_job_count == 1:
+            break
+        time.sleep(0.05)
+    assert (w.successful_job_count, w.failed_job_count) == (1, 1)
+    assert w.total_working_time > 0

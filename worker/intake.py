@@ -158,14 +158,17 @@ class RqIntake:
 
     def _end_execution(self, pipe: Any, taken: TakenJob) -> dict[str, Any]:
         """Close the job's execution (leaves the StartedJobRegistry); rq's handlers' kwargs."""
-        taken.job.ended_at = now()
-        taken.execution.delete(taken.job, pipe)
+        job = taken.job
+        job.ended_at = now()
+        taken.execution.delete(job, pipe)
+        if job.started_at is not None:  # rq-dashboard shows the worker's total working time
+            self.rq_worker.increment_total_working_time(job.ended_at - job.started_at, pipe)
         return {
             "pipeline": pipe,
             "worker_name": self.name,
             "execution_id": taken.execution.id,
             "execution_started_at": taken.execution.created_at,
-            "execution_ended_at": taken.job.ended_at,
+            "execution_ended_at": job.ended_at,
         }
 
     def finish(self, pipe: Any, taken: TakenJob, result: dict[str, Any]) -> None:
