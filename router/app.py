@@ -27,6 +27,7 @@ from router.errors import install_error_handlers
 from router.routes import cache, chat, completions, health, metrics, models
 from router.serve import SETTINGS_ENV
 from router.state import RouterState
+from router.stream_hub import StreamHub
 from router.tokenization import load_tokenizer
 from shared.config import Settings, load_settings
 from shared.metrics import init_reject_labels
@@ -62,9 +63,12 @@ async def _build_state(settings: Settings) -> RouterState:
         sync_redis.close()
         raise RuntimeError(f"cannot reach Redis at {settings.redis.url}: {exc}") from exc
     queue = build_queue(sync_redis)
+    hub = StreamHub(settings.redis.url)
+    await hub.start()
     dispatcher = Dispatcher(
         sync_redis=sync_redis,
         aredis=aredis,
+        hub=hub,
         queue=queue,
         job_timeout_s=settings.worker.job_timeout_s,
         request_timeout_s=settings.router.request_timeout_s,
@@ -92,6 +96,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     try:
         yield
     finally:
+        await state.dispatcher.hub.stop()
         await state.aredis.aclose()
         state.dispatcher.sync_redis.close()
 

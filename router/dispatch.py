@@ -1,13 +1,14 @@
 """Dispatch: enqueue a GenerationRequest as an rq job, then read its Redis stream back.
 
 rq is synchronous, so enqueueing and job-status checks run in the threadpool on a sync client;
-stream reads use redis.asyncio with a bounded XREAD BLOCK, so the event loop never blocks and a
-request is never left hanging: no event within `request_timeout_s`, or a failed rq job, ends the
-stream with a synthetic `error` event.
+stream reads come from the process's StreamHub (one multi-stream XREAD for every request), so
+the event loop never blocks and a request is never left hanging: no event within
+`request_timeout_s`, or a failed rq job, ends the stream with a synthetic `error` event.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -21,6 +22,7 @@ from rq import Queue
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 
+from router.stream_hub import Entry, StreamHub
 from shared import keys
 from shared.wire import (
     JOB_FUNC,
@@ -33,7 +35,8 @@ from shared.wire import (
 
 log = logging.getLogger(__name__)
 
-XREAD_BLOCK_MS = 1000
+# How long a request waits on its stream before it checks its client and its job.
+IDLE_CHECK_S = 1.0
 # How often (at most) a waiting request asks rq whether its job failed.
 JOB_CHECK_INTERVAL_S = 2.0
 RESULT_TTL_S = 600
@@ -53,6 +56,7 @@ class Dispatcher:
 
     sync_redis: redis.Redis
     aredis: aioredis.Redis
+    hub: StreamHub
     queue: Queue
     job_timeout_s: int
     request_timeout_s: float
@@ -93,20 +97,31 @@ class Dispatcher:
         self, req_id: str, disconnected: Disconnected | None
     ) -> AsyncIterator[StreamEvent]:
         stream = keys.request_stream(req_id)
-        last_id = "0-0"
+        queue = await self.hub.subscribe(stream)
+        try:
+            async for event in self._watch(req_id, queue, disconnected):
+                yield event
+        finally:
+            self.hub.unsubscribe(stream)
+
+    async def _watch(
+        self, req_id: str, queue: asyncio.Queue[Entry], disconnected: Disconnected | None
+    ) -> AsyncIterator[StreamEvent]:
+        """Relay the hub's entries; between them, notice a vanished client, a failed or lost
+        job, or the request timeout."""
         last_event_at = time.monotonic()
         next_check = last_event_at + JOB_CHECK_INTERVAL_S
         job_finished = False
         while True:
-            reply = await self.aredis.xread({stream: last_id}, count=256, block=XREAD_BLOCK_MS)
-            entries = reply[0][1] if reply else []
-            for entry_id, fields in entries:
-                last_id = entry_id
+            try:
+                _, fields = await asyncio.wait_for(queue.get(), IDLE_CHECK_S)
+            except TimeoutError:
+                pass
+            else:
                 yield _decode(fields)
-            now = time.monotonic()
-            if entries:
-                last_event_at = now
+                last_event_at = time.monotonic()
                 continue
+            now = time.monotonic()
             if disconnected is not None and await disconnected():
                 return
             if job_finished:  # rq says done, and nothing more came: the worker lost the end

@@ -18,6 +18,7 @@ Two hashes per worker on purpose: the pool-wide stats read touches each worker t
 script (Redis time there grows with the number of calls).
 | `mlxcel:worker:<wid>:control` | list | router pushes, worker pops | CONTROL_TTL_S |
 | `mlxcel:control:<reply_id>:reply` | list | worker pushes, router pops | CONTROL_TTL_S |
+| `mlxcel:router:<hub_id>:wake` | stream | one router process (its stream hub) | REQUEST_TTL_S |
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ def control_reply(reply_id: str) -> str:
     return f"{PREFIX}:control:{reply_id}:reply"
 
 
+def router_wake(hub_id: str) -> str:
+    """A router process's own stream: a write here wakes its blocked multi-stream XREAD."""
+    return f"{PREFIX}:router:{hub_id}:wake"
+
+
 # Templates handed to Lua scripts as ARGV (the script substitutes the worker id for `{wid}`),
 # so that no key is formatted outside this module.
 WORKER_KEY_TEMPLATES: dict[str, str] = {
@@ -97,12 +103,13 @@ def parse_key(key: str) -> ParsedKey:
         raise ValueError(f"not an mlxcel key: {key!r}")
     if parts[1:] == ["workers"]:
         return ParsedKey("workers", "", "")
-    if len(parts) >= 4 and parts[1] in ("req", "worker", "control") and parts[2]:
+    if len(parts) >= 4 and parts[1] in ("req", "worker", "control", "router") and parts[2]:
         part = ":".join(parts[3:])
         allowed = {
             "req": {"stream", "cancel"},
             "worker": {"info", "cache:counters", "control"},
             "control": {"reply"},
+            "router": {"wake"},
         }[parts[1]]
         if part in allowed:
             return ParsedKey(parts[1], parts[2], part)
