@@ -55,9 +55,6 @@ class WorkerConfig(_Section):
     prefill_step_size: int = Field(256, ge=1)
     default_max_tokens: int = Field(256, ge=1)
     job_timeout_s: int = Field(900, ge=1)
-    # > 0: a rotating (sliding-window) KV cache of this many tokens; its prompt cache is
-    # snapshot-only since such a cache cannot be cut back.
-    max_kv_size: int = Field(0, ge=0)
     # Idle worker: gather a burst of arrivals for up to this long so they prefill as one batch.
     admission_window_ms: float = Field(30, ge=0, le=1000)
 
@@ -125,7 +122,6 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "MLXCEL_PREFILL_STEP_SIZE": ("worker", "prefill_step_size"),
     "MLXCEL_DEFAULT_MAX_TOKENS": ("worker", "default_max_tokens"),
     "MLXCEL_JOB_TIMEOUT_S": ("worker", "job_timeout_s"),
-    "MLXCEL_MAX_KV_SIZE": ("worker", "max_kv_size"),
     "MLXCEL_ADMISSION_WINDOW_MS": ("worker", "admission_window_ms"),
     "MLXCEL_PROMPT_CACHE_ENABLED": ("prompt_cache", "enabled"),
     "MLXCEL_PROMPT_CACHE_CAPACITY_BYTES": ("prompt_cache", "capacity_bytes"),

@@ -31,7 +31,7 @@ PREFIX = "mlxcel"
 REQUEST_TTL_S = 600
 # A worker is alive while its info hash exists; it refreshes this well within the TTL.
 LIVENESS_TTL_S = 15
-HEARTBEAT_INTERVAL_S = 3.0
+HEARTBEAT_INTERVAL_S = 1.0
 CONTROL_TTL_S = 60
 
 # rq queue names (rq builds `rq:queue:<name>` itself).

@@ -101,7 +101,8 @@ class StreamEvent:
     KINDS: ClassVar[frozenset[str]] = frozenset({"start", "delta", "done", "error"})
 
     def to_wire(self) -> bytes:
-        return pack(dataclasses.asdict(self))
+        # Packed once per token: the instance dict as it is, not asdict's deep copy.
+        return pack(vars(self))
 
     @classmethod
     def from_wire(cls, data: bytes) -> StreamEvent:

@@ -137,7 +137,7 @@ def _prompt_cache(
     from worker.prompt_cache.policy import PromptCache
 
     pc = settings.prompt_cache
-    cacheability = check_model(model, settings.worker.max_kv_size or None)
+    cacheability = check_model(model)
     storage = resolve_storage_mode(pc.storage, settings.worker.batch_size, cacheability)
     log.info("prompt cache: model cache is %s (%s); storage mode %s; cache %s",
              cacheability.kind, cacheability.reason, storage,

@@ -21,8 +21,6 @@ import redis
 from shared import keys
 from shared.wire import STREAM_FIELD, ControlCommand, WireError
 
-GAUGE_INTERVAL_S = 1.0
-
 
 @dataclass
 class PublishResult:
@@ -84,10 +82,10 @@ class Publisher:
         pipe.delete(self._k_info)
 
     def liveness_due(self, now: float | None = None) -> bool:
-        """Gauges and heartbeats go out at most once per GAUGE_INTERVAL_S (the caller builds
+        """Gauges and heartbeats go out once per keys.HEARTBEAT_INTERVAL_S (the caller builds
         them on its own thread, then hands them to `publish`)."""
         now = time.monotonic() if now is None else now
-        if now - self._last_gauges < GAUGE_INTERVAL_S:
+        if now - self._last_gauges < keys.HEARTBEAT_INTERVAL_S:
             return False
         self._last_gauges = now
         return True

@@ -110,7 +110,6 @@ class Scheduler:
             completion_batch_size=self.config.batch_size,
             prefill_batch_size=min(self.config.prefill_batch_size, self.config.batch_size),
             prefill_step_size=self.config.prefill_step_size,
-            max_kv_size=self.config.max_kv_size or None,
         )
 
     @property
@@ -120,9 +119,6 @@ class Scheduler:
     @property
     def free_slots(self) -> int:
         return max(0, self.config.batch_size - self.active)
-
-    def active_request_ids(self) -> list[str]:
-        return list(self._by_request)
 
     # -- admission -------------------------------------------------------------------------
 
