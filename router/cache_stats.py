@@ -8,6 +8,7 @@ the templates from shared.keys.WORKER_KEY_TEMPLATES; nothing here formats a key.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -24,12 +25,14 @@ from shared.cache_stats import (
     merge_pool,
 )
 
-# Per member, from two HMGETs (its counters hash and its info hash):
-# {wid, numbers, strings}. `numbers` is ONE comma-joined string of the counters then the gauges in
-# the field lists' order (missing -> 0): with 64 workers the reply parse dominated, and 64 strings
-# parse far faster than 4,000 bulk replies. `strings` holds the last reject, the settings and the
-# info fields (nil where missing). Field lists go in as ARGV; keys only as the roster key and the
-# shared.keys templates.
+# Per member, from two HGETALLs (its counters hash and its info hash):
+# {wid, numbers, strings, alive}. `numbers` is ONE comma-joined string of the counters then the
+# gauges in the field lists' order (missing -> 0); `strings` is the last reject, the settings and
+# the info fields joined by the ASCII unit separator (missing -> empty); `alive` is 1 while the info
+# hash exists. With 64 workers the reply parse dominated: 128 strings parse far faster than 4,000
+# bulk replies. HGETALL, not HMGET: these hashes are small ziplists, which HMGET scans
+# once per field asked (1.40 -> 1.15 ms server time for 64 workers). Field lists go in as ARGV;
+# keys only as the roster key and the shared.keys templates.
 READ_POOL_LUA = """
 local function split(s)
   local t = {}
@@ -38,24 +41,42 @@ local function split(s)
 end
 local counter_f, reject_f = split(ARGV[3]), split(ARGV[4])
 local gauge_f, string_f = split(ARGV[5]), split(ARGV[6])
-local n_counters, n_gauges = #counter_f, #gauge_f
-for _, f in ipairs(reject_f) do counter_f[#counter_f + 1] = f end
-for _, f in ipairs(string_f) do gauge_f[#gauge_f + 1] = f end
+local n_counters = #counter_f
+local US = string.char(31)  -- the ASCII unit separator
+local n_numbers, n_strings = n_counters + #gauge_f, #reject_f + #string_f
+-- field name -> its slot: numbers in `cpos` (counters hash) and `gpos` (info hash), strings in
+-- `spos` (either hash).
+local cpos, gpos, spos = {}, {}, {}
+for i, f in ipairs(counter_f) do cpos[f] = i end
+for i, f in ipairs(gauge_f) do gpos[f] = n_counters + i end
+for i, f in ipairs(reject_f) do spos[f] = i end
+for i, f in ipairs(string_f) do spos[f] = #reject_f + i end
 local counters_at = string.find(ARGV[2], '{wid}', 1, true)
 local info_at = string.find(ARGV[1], '{wid}', 1, true)
 local function key(template, at, wid)
   return string.sub(template, 1, at - 1) .. wid .. string.sub(template, at + 5)
 end
+local function fill(flat, numpos, nums, strs)
+  for i = 1, #flat, 2 do
+    local f = flat[i]
+    local p = numpos[f]
+    if p then
+      nums[p] = flat[i + 1]
+    else
+      p = spos[f]
+      if p then strs[p] = flat[i + 1] end
+    end
+  end
+end
 local out = {}
 for _, wid in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local c = redis.call('HMGET', key(ARGV[2], counters_at, wid), unpack(counter_f))
-  local g = redis.call('HMGET', key(ARGV[1], info_at, wid), unpack(gauge_f))
   local nums, strs = {}, {}
-  for i = 1, n_counters do nums[i] = c[i] or '0' end
-  for i = 1, n_gauges do nums[n_counters + i] = g[i] or '0' end
-  for i = n_counters + 1, #c do strs[#strs + 1] = c[i] end
-  for i = n_gauges + 1, #g do strs[#strs + 1] = g[i] end
-  out[#out + 1] = {wid, table.concat(nums, ','), strs}
+  for i = 1, n_numbers do nums[i] = '0' end
+  for i = 1, n_strings do strs[i] = '' end
+  fill(redis.call('HGETALL', key(ARGV[2], counters_at, wid)), cpos, nums, strs)
+  local info = redis.call('HGETALL', key(ARGV[1], info_at, wid))
+  fill(info, gpos, nums, strs)
+  out[#out + 1] = {wid, table.concat(nums, ','), table.concat(strs, US), #info > 0 and 1 or 0}
 end
 return out
 """
@@ -68,9 +89,10 @@ _ARGS = [
     ",".join(GAUGE_FIELDS),
     ",".join(SETTING_FIELDS + INFO_FIELDS),
 ]
-_N_COUNTERS = len(COUNTER_FIELDS)
 _N_REJECT = len(LAST_REJECT_HASH_FIELDS)
-_N_SETTINGS = len(SETTING_FIELDS)
+_SETTINGS_END = _N_REJECT + len(SETTING_FIELDS)
+_by_worker_id = operator.attrgetter("worker_id")
+_UNIT_SEPARATOR = "\x1f"  # joins the string fields in the Lua reply (a worker never writes it)
 
 
 def register_pool_script(client: aioredis.Redis) -> AsyncScript:
@@ -84,27 +106,24 @@ def _int(value: bytes) -> int:
         return 0  # a hand-edited field that is not a number counts as nothing
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 async def read_pool(script: AsyncScript) -> list[WorkerCacheSnapshot]:
     """Every worker in the roster (dead ones too: their counters still count), by worker id."""
     rows = await script(keys=[keys.workers_roster()], args=_ARGS)
     snapshots = []
-    for wid, numbers, strs in rows:
+    for wid, numbers, strings, alive in rows:
         try:
             nums = list(map(int, numbers.split(b",")))
         except ValueError:  # a hand-edited, non-integer field
             nums = [_int(x) for x in numbers.split(b",")]
-        settings_end = _N_REJECT + _N_SETTINGS
+        strs = strings.decode(errors="replace").split(_UNIT_SEPARATOR)
         snapshots.append(
             WorkerCacheSnapshot.from_values(
-                _text(wid), nums[:_N_COUNTERS], nums[_N_COUNTERS:],
-                strs[_N_REJECT:settings_end], strs[settings_end:], strs[:_N_REJECT],
+                wid.decode(), alive == 1, nums, strs[_N_REJECT:_SETTINGS_END],
+                strs[_SETTINGS_END:], strs[:_N_REJECT],
             )
         )  # fmt: skip
-    return sorted(snapshots, key=lambda s: s.worker_id)
+    snapshots.sort(key=_by_worker_id)
+    return snapshots
 
 
 async def pool_cache_stats(script: AsyncScript) -> dict[str, Any]:

@@ -110,64 +110,68 @@ def _int(value: Any) -> int:
     return int(float(value))
 
 
-def _str(value: Any) -> str:
-    if isinstance(value, bytes):
-        return value.decode()
-    return "" if value is None else str(value)
+# Every number a worker reports, in one list: its counters, then its gauges.
+NUMBER_FIELDS: tuple[str, ...] = COUNTER_FIELDS + GAUGE_FIELDS
+_N_COUNTERS = len(COUNTER_FIELDS)
+_DEAD_GAUGES: tuple[int, ...] = (0,) * len(GAUGE_FIELDS)
 
 
-@dataclass
+@dataclass(slots=True)
 class WorkerCacheSnapshot:
-    """What Redis holds for one worker, parsed."""
+    """What Redis holds for one worker, parsed. `numbers` is NUMBER_FIELDS' values in order: one
+    flat list, because the stats route shapes 64 of these per request."""
 
     worker_id: str
     alive: bool
-    counters: dict[str, int] = field(default_factory=dict)
-    gauges: dict[str, int] = field(default_factory=dict)
+    numbers: list[int]
     settings: dict[str, str] = field(default_factory=dict)
     last_reject: dict[str, Any] | None = None
     info: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return dict(zip(COUNTER_FIELDS, self.numbers, strict=False))
+
+    @property
+    def gauges(self) -> dict[str, int]:
+        return dict(zip(GAUGE_FIELDS, self.numbers[_N_COUNTERS:], strict=True))
 
     @classmethod
     def from_values(
         cls,
         worker_id: str,
-        counters: list[int],
-        gauges: list[int],
-        settings: list[Any],
-        info: list[Any],
-        last_reject: list[Any],
+        alive: bool,
+        numbers: list[int],
+        settings: list[str],
+        info: list[str],
+        last_reject: list[str],
     ) -> WorkerCacheSnapshot:
-        """From values read in the field lists' order (the router's Lua read); `info` holds
-        INFO_FIELDS, all None when the info hash has expired (the worker is gone)."""
+        """From values read in the field lists' order (the router's Lua read): `numbers` in
+        NUMBER_FIELDS' order, the strings with "" where a field is missing; `alive` while the
+        worker's info hash (liveness TTL) exists."""
+        if len(numbers) != len(NUMBER_FIELDS):
+            raise ValueError(f"{len(numbers)} numbers for {len(NUMBER_FIELDS)} fields")
         snap = cls(
             worker_id=worker_id,
-            alive=any(v is not None for v in info),
-            counters=dict(zip(COUNTER_FIELDS, counters, strict=True)),
-            gauges=dict(zip(GAUGE_FIELDS, gauges, strict=True)),
-            settings={
-                f: v.decode() if v else "" for f, v in zip(SETTING_FIELDS, settings, strict=True)
-            },
-            info={f: v.decode() for f, v in zip(INFO_FIELDS, info, strict=True) if v is not None},
+            alive=alive,
+            numbers=numbers,
+            settings=dict(zip(SETTING_FIELDS, settings, strict=True)),
+            info={f: v for f, v in zip(INFO_FIELDS, info, strict=True) if v},
         )
-        lr = dict(zip(LAST_REJECT_FIELDS, last_reject, strict=True))
-        if lr.get("reason"):
+        reason, seq_id, context_len, at_unix_ms = last_reject
+        if reason:
             snap.last_reject = {
-                "reason": _str(lr["reason"]),
-                "seq_id": _str(lr.get("seq_id")) or None,
-                "context_len": _int(lr.get("context_len")),
-                "at_unix_ms": _int(lr.get("at_unix_ms")),
+                "reason": reason,
+                "seq_id": seq_id or None,
+                "context_len": _int(context_len),
+                "at_unix_ms": _int(at_unix_ms),
             }
         return snap
 
     def stats(self) -> dict[str, Any]:
-        """This worker's numbers in the spec's shape."""
-        return _stats_shape(
-            counters=self.counters,
-            gauges=self.gauges if self.alive else dict.fromkeys(GAUGE_FIELDS, 0),
-            settings=self.settings,
-            last_reject=self.last_reject,
-        )
+        """This worker's numbers in the spec's shape (a dead worker's gauges count as zero)."""
+        numbers = self.numbers if self.alive else [*self.numbers[:_N_COUNTERS], *_DEAD_GAUGES]
+        return _stats_shape(numbers, self.settings, self.last_reject)
 
 
 # The spec's fields, then extras for operators (not part of the fixed interface).
@@ -176,61 +180,65 @@ _OUT_FIELDS: tuple[str, ...] = (
     "misses", "prefix_tokens_reused", "snapshot_misses", "snapshot_tokens_reused",
     "storage_mode", "cacheability",
 )  # fmt: skip
-_pick_out = operator.itemgetter(*_OUT_FIELDS)
+# Fields computed from the settings, the counters and the last reject, in _derived's order.
+_DERIVED_FIELDS: tuple[str, ...] = (
+    "enabled", "apc_enabled", "block_size", "hash", "paged_block_size", "storage_mode",
+    "cacheability", "hit_rate", "snapshot_hit_rate", "last_reject_reason", "last_reject_seq_id",
+    "last_reject_context_len", "last_reject_at_unix_ms",
+)  # fmt: skip
+_SOURCE_FIELDS = NUMBER_FIELDS + _DERIVED_FIELDS
+# One C call puts (numbers + derived) into the output order; dict(zip()) names them.
+_pick_out = operator.itemgetter(*(_SOURCE_FIELDS.index(f) for f in _OUT_FIELDS))
+_HITS, _LOOKUPS = COUNTER_FIELDS.index("hits"), COUNTER_FIELDS.index("lookups")
+_S_HITS = COUNTER_FIELDS.index("snapshot_hits")
+_S_LOOKUPS = COUNTER_FIELDS.index("snapshot_lookups")
+_NO_REJECT: dict[str, Any] = {}
 
 
 def _stats_shape(
-    counters: dict[str, int],
-    gauges: dict[str, int],
-    settings: dict[str, str],
-    last_reject: dict[str, Any] | None,
+    numbers: list[int], settings: dict[str, str], last_reject: dict[str, Any] | None
 ) -> dict[str, Any]:
-    lr = last_reject or {}
-    out: dict[str, Any] = {
-        "enabled": settings.get("enabled") == "1",
-        "apc_enabled": settings.get("apc_enabled") == "1",
-        "block_size": _int(settings.get("block_size")),
-        "hash": settings.get("hash") or "sha256",
-        "paged_block_size": _int(settings.get("paged_block_size")),
-        "hit_rate": _rate(counters["hits"], counters["lookups"]),
-        "snapshot_hit_rate": _rate(counters["snapshot_hits"], counters["snapshot_lookups"]),
-        "last_reject_reason": lr.get("reason"),
-        "last_reject_seq_id": lr.get("seq_id"),
-        "last_reject_context_len": lr.get("context_len"),
-        "last_reject_at_unix_ms": lr.get("at_unix_ms"),
-    }
-    out["storage_mode"] = settings.get("storage_mode") or ""
-    out["cacheability"] = settings.get("cacheability") or ""
-    merged = {**counters, **gauges, **out}
-    # itemgetter + zip: built in C (this runs once per worker on every stats request).
-    return dict(zip(_OUT_FIELDS, _pick_out(merged), strict=True))
+    lr = last_reject or _NO_REJECT
+    get = settings.get
+    derived = (
+        get("enabled") == "1",
+        get("apc_enabled") == "1",
+        _int(get("block_size")),
+        get("hash") or "sha256",
+        _int(get("paged_block_size")),
+        get("storage_mode") or "",
+        get("cacheability") or "",
+        _rate(numbers[_HITS], numbers[_LOOKUPS]),
+        _rate(numbers[_S_HITS], numbers[_S_LOOKUPS]),
+        lr.get("reason"),
+        lr.get("seq_id"),
+        lr.get("context_len"),
+        lr.get("at_unix_ms"),
+    )
+    return dict(zip(_OUT_FIELDS, _pick_out((*numbers, *derived)), strict=True))
 
 
-def _column_sums(fields: tuple[str, ...], rows: list[dict[str, int]]) -> dict[str, int]:
-    if not rows:
-        return dict.fromkeys(fields, 0)
-    columns = zip(*(r.values() for r in rows), strict=True)
-    return dict(zip(fields, map(sum, columns), strict=True))
+def _column_sums(rows: list[list[int]], width: int) -> list[int]:
+    # zip(*rows) + sum: C loops, not 64 x 60 Python additions.
+    return list(map(sum, zip(*rows, strict=True))) if rows else [0] * width
 
 
 def merge_pool(workers: list[WorkerCacheSnapshot]) -> dict[str, Any]:
     """The pool's `/v1/cache/stats`: counters summed over every worker ever seen (dead ones too),
     gauges and limits summed over live workers, rates recomputed from the sums, the most recent
     last reject with its worker id, and a per-worker breakdown."""
-    # Column sums over the dicts' values (each in its field list's order): C loops, not
-    # 64 x 60 Python additions.
-    counters = _column_sums(COUNTER_FIELDS, [w.counters for w in workers])
-    gauges = _column_sums(GAUGE_FIELDS, [w.gauges for w in workers if w.alive])
     live = [w for w in workers if w.alive]
+    counters = _column_sums([w.numbers[:_N_COUNTERS] for w in workers], _N_COUNTERS)
+    gauges = _column_sums([w.numbers[_N_COUNTERS:] for w in live], len(GAUGE_FIELDS))
     enabled = [w for w in live if w.settings.get("enabled") == "1"]
-    settings = dict((enabled or live)[0].settings) if live else {}
+    settings = (enabled or live)[0].settings if live else {}
     last: dict[str, Any] | None = None
     for w in workers:
         if w.last_reject and (last is None or w.last_reject["at_unix_ms"] > last["at_unix_ms"]):
             last = {**w.last_reject, "worker_id": w.worker_id}
-    pool = _stats_shape(counters, gauges, settings, last)
+    pool = _stats_shape([*counters, *gauges], settings, last)
     pool["last_reject_worker_id"] = last["worker_id"] if last else None
-    pool["workers_alive"] = sum(1 for w in workers if w.alive)
+    pool["workers_alive"] = len(live)
     pool["workers"] = {
         w.worker_id: {"alive": w.alive, **w.stats()}
         for w in sorted(workers, key=lambda w: w.worker_id)
