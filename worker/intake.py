@@ -97,17 +97,28 @@ class RqIntake:
         except redis.RedisError:
             log.warning("could not register worker death (Redis unreachable)")
 
-    def take(self, max_jobs: int, block_s: float | None, gather_s: float = 0.0) -> list[TakenJob]:
-        """Dequeue up to `max_jobs` jobs; block up to `block_s` for the first one (None: don't
-        block). With `gather_s`, keep taking the jobs of a burst until it pauses (GATHER_GAP_S)
-        or the window ends, so they prefill as one batch. Each job taken is marked started
-        (Execution, StartedJobRegistry) in one pipeline."""
+    def take(self, max_jobs: int, block_s: float | None) -> list[TakenJob]:
+        """Dequeue up to `max_jobs` jobs: block up to `block_s` for the first one (None: don't
+        block), then take what is already queued. Each job taken is marked started (Execution,
+        StartedJobRegistry) in one pipeline."""
         first = self._dequeue(None if block_s is None else max(1, round(block_s)))
         if first is None:
             return []
-        taken = [first]
-        deadline = time.monotonic() + gather_s
-        quiet_until = time.monotonic() + min(GATHER_GAP_S, gather_s)
+        return self._start(self._take_more([first], max_jobs, 0.0))
+
+    def gather(self, max_jobs: int, window_s: float) -> list[TakenJob]:
+        """Take the jobs of a burst still arriving, until it pauses (GATHER_GAP_S) or the window
+        ends, so they prefill as one batch with what was just admitted."""
+        if max_jobs <= 0 or window_s <= 0:
+            return []
+        taken = self._take_more([], max_jobs, window_s)
+        return self._start(taken) if taken else []
+
+    def _take_more(
+        self, taken: list[tuple[Job, Queue]], max_jobs: int, window_s: float
+    ) -> list[tuple[Job, Queue]]:
+        deadline = time.monotonic() + window_s
+        quiet_until = time.monotonic() + min(GATHER_GAP_S, window_s)
         while len(taken) < max_jobs:
             got = self._dequeue(None)
             now = time.monotonic()
@@ -118,7 +129,7 @@ class RqIntake:
                 break
             else:
                 time.sleep(0.001)
-        return self._start(taken)
+        return taken
 
     def _dequeue(self, timeout: int | None) -> tuple[Job, Queue] | None:
         try:

@@ -91,10 +91,20 @@ class WorkerLoop:
         # `done`) must not wait out the idle timeout.
         pending_writes = bool(writes.events or writes.ended)
         block = IDLE_BLOCK_S if idle and not pending_writes else None
-        gather = self.admission_window_s if idle else 0.0
-        taken_jobs = self.intake.take(slots, block, gather)
+        needs_prefill = self._admit(self.intake.take(slots, block), writes)
+        # A burst's jobs arrive a few ms apart: an idle worker whose new work still has its
+        # prefill ahead gathers the rest of the burst, so they prefill as one batch. A warm
+        # request that already started (its short remainder ran at admission) gains nothing
+        # from waiting, so it never does.
+        if idle and needs_prefill and self.admission_window_s > 0:
+            more = self.intake.gather(self.scheduler.free_slots, self.admission_window_s)
+            self._admit(more, writes)
+
+    def _admit(self, taken_jobs: list[TakenJob], writes: StepWrites) -> bool:
+        """Admit taken jobs into the batch; whether any of them still has its prefill ahead."""
         if taken_jobs:
             log.debug("admitting %d job(s); %d running", len(taken_jobs), len(self.jobs))
+        needs_prefill = False
         for taken in taken_jobs:
             if taken.request is None:
                 self._collect(
@@ -113,7 +123,10 @@ class WorkerLoop:
                 )
                 continue
             self.jobs[taken.request.request_id] = taken
-            self._collect(self.scheduler.admit(taken.request), writes)
+            out = self.scheduler.admit(taken.request)
+            needs_prefill = needs_prefill or out.needs_prefill
+            self._collect(out, writes)
+        return needs_prefill
 
     def _collect(self, out: StepOutput, writes: StepWrites, taken: TakenJob | None = None) -> None:
         if out.events:
