@@ -20,6 +20,7 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from shared.config import WorkerConfig
 from shared.wire import GenerationRequest, StreamEvent
+from worker.last_logits import last_logits
 from worker.prompt_cache.keys import CacheNamespace
 from worker.prompt_cache.policy import PromptCache
 from worker.sampling import make_request_sampler
@@ -45,6 +46,7 @@ class StepOutput:
     status: str = "running"
     error: str = ""
     result: dict[str, Any] | None = None
+    needs_prefill: bool = False  # admitted with its prompt's prefill still ahead
 
 
 @dataclass
@@ -170,7 +172,7 @@ class Scheduler:
             list(prompt[:cached]),
             sampler,
         )
-        return StepOutput(req.request_id, [start])
+        return StepOutput(req.request_id, [start], needs_prefill=True)
 
     def _insert(
         self,
@@ -204,7 +206,7 @@ class Scheduler:
         req = seq.request
         remaining = req.prompt_tokens[seq.cached_tokens :]
         with mx.stream(self.gen.stream):
-            logits = self.model(mx.array([remaining]), cache=caches)[:, -1, :]
+            logits = last_logits(self.model, mx.array([remaining]), caches)
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             token = int((sampler or greedy_sampler)(logprobs).item())
         self.counters.batch_prefill_tokens += len(remaining)
