@@ -86,12 +86,19 @@ class Engine:
 
         self.model, self.tokenizer = load(str(model_dir))
         self.cfg = load_settings(environ={}).worker
+        # The worker's engine includes its CPU ops: the comparison measures plumbing only.
+        self.cpu_ops: list[str] = []
+        if self.cfg.cpu_fast_ops:
+            from worker import cpu_ops
+
+            self.cpu_ops = cpu_ops.install(self.model)
         self.eos = sorted(self.tokenizer.eos_token_ids)
 
     def settings(self) -> str:
         c = self.cfg
         return (f"batch_size={c.batch_size} prefill_batch_size={c.prefill_batch_size} "
-                f"prefill_step_size={c.prefill_step_size}")  # fmt: skip
+                f"prefill_step_size={c.prefill_step_size} "
+                f"cpu_ops={','.join(self.cpu_ops) or 'mlx'}")  # fmt: skip
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> Measurement:
         from mlx_lm.generate import BatchGenerator

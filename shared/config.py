@@ -57,6 +57,8 @@ class WorkerConfig(_Section):
     job_timeout_s: int = Field(900, ge=1)
     # Idle worker: gather a burst of arrivals for up to this long so they prefill as one batch.
     admission_window_ms: float = Field(30, ge=0, le=1000)
+    # float32 on CPU: attention and SwiGLU without mlx's slow CPU exp (worker/cpu_ops.py).
+    cpu_fast_ops: bool = True
 
     @field_validator("id")
     @classmethod
@@ -123,6 +125,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "MLXCEL_DEFAULT_MAX_TOKENS": ("worker", "default_max_tokens"),
     "MLXCEL_JOB_TIMEOUT_S": ("worker", "job_timeout_s"),
     "MLXCEL_ADMISSION_WINDOW_MS": ("worker", "admission_window_ms"),
+    "MLXCEL_CPU_FAST_OPS": ("worker", "cpu_fast_ops"),
     "MLXCEL_PROMPT_CACHE_ENABLED": ("prompt_cache", "enabled"),
     "MLXCEL_PROMPT_CACHE_CAPACITY_BYTES": ("prompt_cache", "capacity_bytes"),
     "MLXCEL_PROMPT_CACHE_MAX_ENTRIES": ("prompt_cache", "max_entries"),

@@ -78,6 +78,10 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
     model_dir = _model_dir(settings)
     model_id = model_id_for(model_dir, settings.model.id)
     model, tokenizer = _load(model_dir, model_id, worker_id)
+    if settings.worker.cpu_fast_ops:
+        from worker import cpu_ops
+
+        cpu_ops.install(model)
     prompt_cache, settings_gauges = _prompt_cache(settings, model, model_id, worker_id)
     conn = redis.Redis.from_url(settings.redis.url)
     intake = RqIntake(conn, worker_id)

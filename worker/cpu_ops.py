@@ -1,0 +1,111 @@
+"""Attention and SwiGLU for mlx-lm models on the CPU device, without MLX's slow CPU `exp`.
+
+In the mlx CPU wheel `mx.exp` (and `sigmoid`, which uses it) runs at ~9 ns an element, ~18x
+slower than numpy's, while `mx.power` runs ~3x faster than `mx.exp` and `add` / `matmul` are
+fast. Attention's softmax over (queries x keys) and SwiGLU's sigmoid then dominate a prefill: on
+the bench model, 3.6 of a layer's ~7 ms for a 24-token pass over 1,000 cached tokens. These
+versions compute 2**x with `mx.power` (log2(e) folded into the scale), mask by adding a bias
+(a `where` over the scores costs 3.6 ns an element; the mask itself is small), and divide by
+the softmax sum after the value matmul. Measured here (bench model, in-process): a 976-token
+cold prefill 1,050 -> 750 ms, a 24-token warm pass 60 -> 44 ms; logits within ~4e-6 of mlx's.
+
+`install(model)` swaps them into the model's module (mlx-lm models call these module-level
+names) when the model runs in float32 on the CPU; anything they do not handle (attention sinks,
+quantized KV, additive float masks, other dtypes) goes to mlx-lm's own functions.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models import activations, base
+
+log = logging.getLogger("mlxcel.worker.cpu_ops")
+
+LOG2E = 1.4426950408889634
+_LOWEST = float(mx.finfo(mx.float32).min)
+_mlx_sdpa = base.scaled_dot_product_attention
+_mlx_swiglu = activations.swiglu
+
+
+def scaled_dot_product_attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    cache: Any,
+    scale: float,
+    mask: Any,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """mlx-lm's `base.scaled_dot_product_attention`, for float32 on the CPU."""
+    if (
+        sinks is not None
+        or hasattr(cache, "bits")
+        or queries.dtype != mx.float32
+        or not (mask is None or (isinstance(mask, str) and mask == "causal") or _bool_mask(mask))
+    ):
+        return _mlx_sdpa(queries, keys, values, cache, scale, mask, sinks)
+    b, n_q_heads, n_q, dim = queries.shape
+    n_kv_heads, n_k = keys.shape[1], keys.shape[2]
+    group = n_q_heads // n_kv_heads
+    # Grouped-query heads share their KV head: one matmul per KV head, no repeated keys.
+    scores = (queries * (scale * LOG2E)).reshape(b, n_kv_heads, group * n_q, dim)
+    scores = scores @ keys.swapaxes(-1, -2)
+    if mask is not None:
+        if isinstance(mask, str):  # "causal": query i sits at position n_k - n_q + i
+            mask = mx.arange(n_k - n_q, n_k)[:, None] >= mx.arange(n_k)[None]
+        elif mask.ndim == 4:  # (b, 1 or q heads, q, k) -> the (kv head, group) split
+            if mask.shape[1] == 1:
+                mask = mx.expand_dims(mask, 2)
+            elif mask.shape[1] == n_q_heads:
+                mask = mask.reshape(mask.shape[0], n_kv_heads, group, *mask.shape[-2:])
+            else:
+                return _mlx_sdpa(queries, keys, values, cache, scale, mask, sinks)
+        # The lowest finite float, not -inf: a row with every key masked (left padding) then
+        # averages its values, as mlx's own attention does, instead of turning into NaN.
+        bias = mx.where(mask, mx.array(0.0, mx.float32), mx.array(_LOWEST, mx.float32))
+        scores = (scores.reshape(b, n_kv_heads, group, n_q, n_k) + bias).reshape(
+            b, n_kv_heads, group * n_q, n_k
+        )
+    weights = mx.power(2.0, scores - mx.max(scores, axis=-1, keepdims=True))
+    out = (weights @ values) / mx.sum(weights, axis=-1, keepdims=True)
+    return out.reshape(b, n_q_heads, n_q, dim)
+
+
+def _bool_mask(mask: Any) -> bool:
+    return isinstance(mask, mx.array) and mask.dtype == mx.bool_ and mask.ndim in (2, 4)
+
+
+def swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    """silu(gate) * x = gate * x / (1 + 2**(-gate * log2 e))."""
+    if gate.dtype != mx.float32:
+        return _mlx_swiglu(gate, x)
+    return gate * x / (1.0 + mx.power(2.0, gate * -LOG2E))
+
+
+_REPLACEMENTS = {
+    "scaled_dot_product_attention": (_mlx_sdpa, scaled_dot_product_attention),
+    "swiglu": (_mlx_swiglu, swiglu),
+}
+
+
+def install(model: Any) -> list[str]:
+    """Swap these in for the model's module when it runs float32 on the CPU; the names swapped."""
+    if mx.default_device() != mx.cpu:
+        return []
+    dtypes = {p.dtype for _, p in tree_flatten(model.parameters())}
+    if dtypes != {mx.float32}:
+        return []
+    module = sys.modules.get(type(model).__module__)
+    swapped = []
+    for name, (theirs, ours) in _REPLACEMENTS.items():
+        if module is not None and getattr(module, name, None) is theirs:
+            setattr(module, name, ours)
+            swapped.append(name)
+    if swapped:
+        log.info("CPU ops: %s use pow-based exp in %s", ", ".join(swapped), module.__name__)
+    return swapped
