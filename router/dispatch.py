@@ -113,11 +113,17 @@ class Dispatcher:
         next_check = last_event_at + JOB_CHECK_INTERVAL_S
         job_finished = False
         while True:
+            # Per streamed token: take what the hub already queued without a wait; otherwise
+            # wait under asyncio.timeout (wait_for would wrap each get in a new task).
             try:
-                _, fields = await asyncio.wait_for(queue.get(), IDLE_CHECK_S)
-            except TimeoutError:
-                pass
-            else:
+                _, fields = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                try:
+                    async with asyncio.timeout(IDLE_CHECK_S):
+                        _, fields = await queue.get()
+                except TimeoutError:
+                    fields = None
+            if fields is not None:
                 yield _decode(fields)
                 last_event_at = time.monotonic()
                 continue
