@@ -60,6 +60,8 @@ def test_many_jobs_run_at_once_and_registries_tell_the_truth(redis_url, start_wo
         assert events[0].kind == "start" and events[0].worker_id == "w1"
         assert events[-1].kind == "done" and events[-1].finish_reason == "length"
         assert len(generated_tokens(events)) == 150 == events[-1].completion_tokens
+        # Per-request keys expire: the TTL goes with the first event, not with every token.
+        assert 0 < r.ttl(keys.request_stream(rid)) <= keys.REQUEST_TTL_S
 
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and finished.count < 4:

@@ -1,6 +1,7 @@
 """The worker's one Redis round trip per step.
 
-Each step's pipeline carries: every request's new stream events (XADD, with the stream's TTL),
+Each step's pipeline carries: every request's new stream events (XADD; the stream's TTL with its
+first event and then every STREAM_TTL_REFRESH_S, not with every token),
 the rq bookkeeping of jobs that ended, the drained cache/scheduler counter deltas (HINCRBY on a
 hash that never expires, so counts never go backwards or vanish with the worker), the last reject,
 the gauges and heartbeats (at most once a second), and the reads the loop needs: cancel flags of
@@ -20,6 +21,10 @@ import redis
 
 from shared import keys
 from shared.wire import STREAM_FIELD, ControlCommand, WireError
+
+# A stream's TTL (keys.REQUEST_TTL_S) is set with its first event and renewed this often while
+# the request runs, so it never lapses mid-stream and a step sends one command per stream, not two.
+STREAM_TTL_REFRESH_S = keys.REQUEST_TTL_S / 4
 
 
 @dataclass
@@ -57,6 +62,7 @@ class Publisher:
         self._k_control = keys.worker_control(worker_id)
         self._last_gauges = 0.0
         self._last_heartbeat = 0.0
+        self._ttl_due: dict[str, float] = {}  # request id -> when its stream's TTL is renewed
 
     def claim_worker_id(self) -> None:
         """Refuse to run beside a live worker with the same id (their counters would mix); a
@@ -92,12 +98,15 @@ class Publisher:
 
     def publish(self, writes: StepWrites, active_request_ids: list[str]) -> PublishResult:
         """Send one step's writes and reads in a single pipeline."""
+        now = time.monotonic()
         with self.r.pipeline(transaction=False) as pipe:
             for rid, packed in writes.events.items():
                 stream = keys.request_stream(rid)
                 for data in packed:
                     pipe.xadd(stream, {STREAM_FIELD: data})
-                pipe.expire(stream, keys.REQUEST_TTL_S)
+                if self._ttl_due.get(rid, 0.0) <= now:
+                    pipe.expire(stream, keys.REQUEST_TTL_S)
+                    self._ttl_due[rid] = now + STREAM_TTL_REFRESH_S
             for end in writes.ended:
                 end(pipe)
             for name, delta in writes.counters.items():
@@ -114,6 +123,9 @@ class Publisher:
             for qk in self.queue_keys:
                 pipe.llen(qk)
             replies = pipe.execute()[n_reads:]
+        if len(self._ttl_due) > 2 * len(active_request_ids) + 64:  # forget ended requests
+            active = set(active_request_ids)
+            self._ttl_due = {r: t for r, t in self._ttl_due.items() if r in active}
         return self._parse_reads(replies, active_request_ids)
 
     def _write_liveness(self, pipe: Any, gauges: dict[str, Any]) -> None:
