@@ -126,16 +126,22 @@ class BlockPool:
                 self._free_ids.append(block_id)
 
     def clone(self, block_ids: list[int]) -> list[KVCache]:
-        """Fresh per-layer KVCache objects holding the blocks' KV back to back."""
+        """Fresh per-layer KVCache objects holding the blocks' KV back to back, with one
+        KVCache.step of room after them: the remainder's KV then lands in place instead of
+        KVCache reallocating (and copying) the whole prefix on its first update."""
         if not block_ids:
             raise ValueError("nothing to clone")
         blocks = [self._blocks[b] for b in block_ids]
         out = []
         for layer in range(len(blocks[0].keys)):
             cache = KVCache()
-            cache.keys = mx.concatenate([b.keys[layer] for b in blocks], axis=2)
-            cache.values = mx.concatenate([b.values[layer] for b in blocks], axis=2)
-            cache.offset = cache.keys.shape[2]
+            keys = [b.keys[layer] for b in blocks]
+            values = [b.values[layer] for b in blocks]
+            room = (*keys[0].shape[:2], cache.step, keys[0].shape[3])
+            cache.keys = mx.concatenate([*keys, mx.zeros(room, keys[0].dtype)], axis=2)
+            room = (*values[0].shape[:2], cache.step, values[0].shape[3])
+            cache.values = mx.concatenate([*values, mx.zeros(room, values[0].dtype)], axis=2)
+            cache.offset = len(blocks) * self.block_size
             out.append(cache)
         return out
 
