@@ -65,7 +65,9 @@ class GenerationRequest:
     enqueued_at: float = 0.0
 
     def to_wire(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        # A shallow copy: asdict deep-copied every prompt token (~1 ms for a 1,000-token prompt,
+        # on the router's enqueue path); rq packs this right away.
+        return dict(vars(self))
 
     @classmethod
     def from_wire(cls, data: Any) -> GenerationRequest:
