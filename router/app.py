@@ -30,6 +30,7 @@ from router.state import RouterState
 from router.stream_hub import StreamHub
 from router.tokenization import load_tokenizer
 from shared.config import Settings, load_settings
+from shared.gc_freeze import freeze_startup_heap
 from shared.metrics import init_reject_labels
 from shared.model_paths import built_model_dir, model_id_for
 
@@ -92,6 +93,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     state = await _build_state(settings)
     init_reject_labels()
     app.state.router = state
+    freeze_startup_heap(log)
     log.info("router serving model %r from %s", state.model_id, state.model_dir)
     try:
         yield

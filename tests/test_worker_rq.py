@@ -131,6 +131,8 @@ def test_warm_stop_finishes_running_work_and_unregisters(redis_url, start_worker
     assert not r.exists(keys.worker_info("w1"))
     # Its counters outlive it: the pool's totals still include this worker.
     assert int(r.hget(keys.worker_cache_counters("w1"), "requests")) == 1
+    # The model and libraries were frozen out of the cyclic GC's full collections at start.
+    assert "gc: froze" in w.log_path.read_text()
 
 
 def test_a_second_live_worker_with_the_same_id_is_refused(

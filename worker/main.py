@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shared.config import Settings
+from shared.gc_freeze import freeze_startup_heap
 from shared.model_paths import built_model_dir, model_id_for
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ def run(settings: Settings) -> int:
     from worker.publisher import WorkerIdInUse
 
     loop.install_signal_handlers()
+    freeze_startup_heap(log)
     log.info("worker %s ready: listening on %s", loop.scheduler.worker_id,
              ", ".join(loop.intake.queue_keys))  # fmt: skip
     try:
