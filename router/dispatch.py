@@ -61,10 +61,8 @@ class Dispatcher:
     job_timeout_s: int
     request_timeout_s: float
 
-    async def submit(self, req: GenerationRequest) -> None:
-        await anyio.to_thread.run_sync(self._enqueue, req)
-
-    def _enqueue(self, req: GenerationRequest) -> None:
+    def enqueue(self, req: GenerationRequest) -> None:
+        """Put the job on the shared queue (blocking: call it off the event loop)."""
         # rq's enqueue in one transaction (one round trip instead of rq's own two or three):
         # the job hash, its TTLs and the queue push land together or not at all.
         with self.sync_redis.pipeline() as pipe:
