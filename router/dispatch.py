@@ -42,6 +42,10 @@ JOB_CHECK_INTERVAL_S = 2.0
 RESULT_TTL_S = 600
 FAILURE_TTL_S = 3600
 QUEUED_TTL_S = 600
+# A cancelled request's stream lingers this long instead of being deleted: the worker may XADD
+# a step or two more before it reads the cancel flag, and XADD on a deleted key would create a
+# new stream without a TTL (the worker sets a stream's TTL with its first event only).
+CANCELLED_STREAM_TTL_S = 60
 
 # error_type of the events the router makes up itself (the worker never sends these).
 TIMEOUT = "timeout"
@@ -162,9 +166,12 @@ class Dispatcher:
     async def _cleanup(self, req_id: str, cancel: bool) -> None:
         try:
             async with self.aredis.pipeline(transaction=False) as pipe:
+                stream = keys.request_stream(req_id)
                 if cancel:
                     pipe.set(keys.request_cancel(req_id), "1", ex=keys.REQUEST_TTL_S)
-                pipe.delete(keys.request_stream(req_id))
+                    pipe.expire(stream, CANCELLED_STREAM_TTL_S)
+                else:  # the worker wrote its last event: nothing will recreate the key
+                    pipe.delete(stream)
                 await pipe.execute()
         except redis.RedisError:
             log.warning("could not clean up request %s", req_id, exc_info=True)

@@ -19,6 +19,7 @@ from rq.job import Job, JobStatus
 from rq.results import Result
 from transformers import AutoTokenizer
 
+from router.dispatch import CANCELLED_STREAM_TTL_S
 from router.tokenization import template_signature
 from shared import keys
 from shared.redis_server import EmbeddedRedis
@@ -278,6 +279,9 @@ def test_client_disconnect_sets_the_cancel_key(
     req = box["req"]
     wait_for(lambda: r.get(keys.request_cancel(req.request_id)) == b"1")
     assert 0 < r.ttl(keys.request_cancel(req.request_id)) <= keys.REQUEST_TTL_S
+    # The worker may write a step more before it reads the flag: the stream still expires.
+    play(r, req, StreamEvent(kind="delta", text="b"))
+    assert 0 < r.ttl(keys.request_stream(req.request_id)) <= CANCELLED_STREAM_TTL_S
 
 
 def test_cache_reset_asks_every_live_worker(router_url: str, r: redis.Redis) -> None:
