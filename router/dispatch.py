@@ -161,6 +161,16 @@ class Dispatcher:
             return None, True
         if status in (JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED):
             return _failure_text(job, status), False
+        if status == JobStatus.STARTED:
+            # rq only learns of a killed worker when its registries are cleaned, long after: the
+            # worker's own liveness key (refreshed every second, LIVENESS_TTL_S) tells sooner.
+            wid = keys.parse_rq_worker_name(job.worker_name or "")
+            if wid is not None and not self.sync_redis.exists(keys.worker_info(wid)):
+                return (
+                    f"worker {wid} stopped while running this request (its liveness key "
+                    f"expired); the request was not finished",
+                    False,
+                )
         return None, False
 
     async def _cleanup(self, req_id: str, cancel: bool) -> None:

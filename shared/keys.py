@@ -43,9 +43,17 @@ def worker_queue_name(worker_id: str) -> str:
     return f"{SHARED_QUEUE}.worker.{worker_id}"
 
 
+_RQ_WORKER_PREFIX = "mlxcel-"
+
+
 def rq_worker_name(worker_id: str) -> str:
     """The name the worker registers under in rq (`rq info`, rq-dashboard)."""
-    return f"mlxcel-{worker_id}"
+    return f"{_RQ_WORKER_PREFIX}{worker_id}"
+
+
+def parse_rq_worker_name(name: str) -> str | None:
+    """The worker id back from its rq name (a job's `worker_name`); None for another worker."""
+    return name[len(_RQ_WORKER_PREFIX) :] if name.startswith(_RQ_WORKER_PREFIX) else None
 
 
 def request_stream(req_id: str) -> str:

@@ -29,7 +29,7 @@ ENV_DOC = (DOCS / "environment-variables.md").read_text()
 BUILDERS: dict[str, Callable[..., str]] = {
     name: fn
     for name, fn in inspect.getmembers(keys, inspect.isfunction)
-    if fn.__module__ == keys.__name__ and not name.startswith("_") and name != "parse_key"
+    if fn.__module__ == keys.__name__ and not name.startswith(("_", "parse_"))
 }
 
 
