@@ -175,3 +175,27 @@ def test_rq_worker_record_counts_jobs_and_working_time(redis_url, start_worker) 
         time.sleep(0.05)
     assert (w.successful_job_count, w.failed_job_count) == (1, 1)
     assert w.total_working_time > 0
+
+
+def test_a_job_abandoned_by_a_killed_worker_moves_to_failed(redis_url, start_worker) -> None:
+    """rq's registry maintenance runs in our workers too: once a dead worker's execution stops
+    heartbeating (its TTL, ~90 s, is put in the past here rather than waited for), the next
+    worker moves the job from the StartedJobRegistry to the FailedJobRegistry."""
+    import signal
+
+    r = redis.Redis.from_url(redis_url)
+    w1 = start_worker(redis_url, "w1")
+    started, _, failed, _ = _registries(r)
+    rid = enqueue(r, list(range(10, 30)), max_tokens=1500)
+    while not r.exists(keys.request_stream(rid)):
+        time.sleep(0.01)
+    w1.stop(signal.SIGKILL)
+    assert started.get_job_ids() == [rid]  # rq alone still calls it started
+    for member in r.zrange(started.key, 0, -1):
+        r.zadd(started.key, {member: time.time() - 1})
+    start_worker(redis_url, "w2")
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and failed.count == 0:
+        time.sleep(0.05)
+    assert failed.get_job_ids() == [rid] and started.count == 0
+    assert Job.fetch(rid, connection=r, serializer=MsgpackSerializer).get_status() == "failed"

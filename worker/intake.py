@@ -25,7 +25,7 @@ from rq import Queue, SimpleWorker
 from rq.exceptions import DequeueTimeout
 from rq.executions import Execution
 from rq.job import Job, JobStatus
-from rq.registry import CanceledJobRegistry
+from rq.registry import CanceledJobRegistry, clean_registries
 from rq.utils import now
 from rq.worker import WorkerStatus
 
@@ -90,6 +90,14 @@ class RqIntake:
             self.connection.delete(self.rq_worker.key)
         self.rq_worker.register_birth()
         self.rq_worker.set_state(WorkerStatus.IDLE)
+
+    def clean_registries(self) -> None:
+        """rq's own registry maintenance for this worker's queues (its workers run it every few
+        minutes): a job whose worker died (its execution no longer heartbeats) moves from the
+        StartedJobRegistry to the FailedJobRegistry, so `rq info` and rq-dashboard stop calling it
+        started."""
+        for queue in self.queues:
+            clean_registries(queue)
 
     def unregister(self) -> None:
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,8 @@ from worker.scheduler import Scheduler, StepOutput
 log = logging.getLogger("mlxcel.worker")
 
 IDLE_BLOCK_S = 1.0
+# How often a worker runs rq's registry maintenance (rq's own workers: every 10 minutes).
+MAINTENANCE_INTERVAL_S = 60.0
 
 
 @dataclass
@@ -45,6 +48,7 @@ class WorkerLoop:
     _queued: int = 0
     _last_reject_sent: dict[str, Any] | None = None
     _pending: Future[PublishResult] | None = None
+    _next_maintenance: float = 0.0
     _executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="publish")
     )
@@ -162,6 +166,16 @@ class WorkerLoop:
             writes.ended.append(lambda p: self.intake.heartbeat(p, running))
         self._flush()  # at most one step in flight (normally already consumed by _act_on_reads)
         self._pending = self._executor.submit(self.publisher.publish, writes, list(self.jobs))
+        now = time.monotonic()
+        if now >= self._next_maintenance:  # after this step's publish, on the same thread
+            self._next_maintenance = now + MAINTENANCE_INTERVAL_S
+            self._executor.submit(self._maintain)
+
+    def _maintain(self) -> None:
+        try:
+            self.intake.clean_registries()
+        except redis.RedisError:
+            log.warning("rq registry maintenance failed; retrying later", exc_info=True)
 
     def _act_on_reads(self, writes: StepWrites) -> None:
         """The last publish's reads: drop cancelled requests, run control commands. It had a whole
