@@ -179,8 +179,8 @@ def test_rq_worker_record_counts_jobs_and_working_time(redis_url, start_worker) 
 
 def test_a_job_abandoned_by_a_killed_worker_moves_to_failed(redis_url, start_worker) -> None:
     """rq's registry maintenance runs in our workers too: once a dead worker's execution stops
-    heartbeating (its TTL, ~90 s, is put in the past here rather than waited for), the next
-    worker moves the job from the StartedJobRegistry to the FailedJobRegistry."""
+    heartbeating (its TTL, intake.EXECUTION_TTL_S, is put in the past here, not waited for), the
+    next worker moves the job from the StartedJobRegistry to the FailedJobRegistry."""
     import signal
 
     r = redis.Redis.from_url(redis_url)

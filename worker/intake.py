@@ -38,6 +38,10 @@ RESULT_TTL_S = 600
 # A burst's jobs arrive a few ms apart (the router tokenizes and enqueues each): a pause this long
 # ends the burst.
 GATHER_GAP_S = 0.008
+# A running job's rq execution (its StartedJobRegistry entry) lives this long past its last
+# heartbeat. The loop heartbeats every second, so this only lapses when the worker is gone; rq's
+# default (job timeout + 60 s, ~16 min here) would keep a dead worker's jobs "started" that long.
+EXECUTION_TTL_S = 60
 
 
 @dataclass
@@ -151,8 +155,9 @@ class RqIntake:
         out: list[TakenJob] = []
         with self.connection.pipeline(transaction=False) as pipe:
             for job, queue in taken:
-                ttl = int(self.rq_worker.get_heartbeat_ttl(job))
-                execution = Execution.create(job, ttl, pipeline=pipe, worker_name=self.name)
+                execution = Execution.create(
+                    job, EXECUTION_TTL_S, pipeline=pipe, worker_name=self.name
+                )
                 job.prepare_for_execution(self.name, pipeline=pipe)
                 pipe.lrem(queue.intermediate_queue_key, 0, job.id)
                 out.append(self._parse(job, execution))
@@ -215,5 +220,4 @@ class RqIntake:
         """Worker heartbeat plus each running job's execution, so the started registry holds."""
         self.rq_worker.heartbeat(pipeline=pipe)
         for t in active:
-            ttl = int(self.rq_worker.get_heartbeat_ttl(t.job))
-            t.execution.heartbeat(t.job.started_job_registry, ttl, pipeline=pipe)
+            t.execution.heartbeat(t.job.started_job_registry, EXECUTION_TTL_S, pipeline=pipe)
