@@ -17,7 +17,6 @@ from pathlib import Path
 
 import anyio
 import redis
-import redis.asyncio as aioredis
 from fastapi import FastAPI
 
 from router.admission import AdmissionContext
@@ -33,6 +32,7 @@ from shared.config import Settings, load_settings
 from shared.gc_freeze import freeze_startup_heap
 from shared.metrics import init_reject_labels
 from shared.model_paths import built_model_dir, model_id_for
+from shared.redis_clients import async_client, sync_client
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +55,8 @@ async def _build_state(settings: Settings) -> RouterState:
     # Loading a tokenizer reads files and builds Rust objects: keep it off the event loop.
     tokenizer = await anyio.to_thread.run_sync(load_tokenizer, model_dir)
     model_id = model_id_for(model_dir, settings.model.id)
-    aredis = aioredis.Redis.from_url(settings.redis.url)
-    sync_redis = redis.Redis.from_url(settings.redis.url)
+    aredis = async_client(settings.redis.url)
+    sync_redis = sync_client(settings.redis.url)
     try:
         await aredis.ping()
     except redis.RedisError as exc:

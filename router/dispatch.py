@@ -145,7 +145,11 @@ class Dispatcher:
                 return
             if now >= next_check:
                 next_check = now + JOB_CHECK_INTERVAL_S
-                failure, job_finished = await anyio.to_thread.run_sync(self._job_state, req_id)
+                try:
+                    failure, job_finished = await anyio.to_thread.run_sync(self._job_state, req_id)
+                except redis.RedisError as exc:  # Redis restarting: ask again at the next check
+                    log.info("job check for %s failed (%s); retrying", req_id, exc)
+                    continue
                 if failure is not None:
                     yield _error(JOB_FAILED, failure)
                     return

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -93,6 +94,18 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
+async def _redis_unreachable(request: Request, exc: Exception) -> JSONResponse:
+    """Redis down or restarting (after the client's own retries): the pool cannot take the
+    request now. A 503 the client may retry, not a 500."""
+    log.warning("Redis error on %s %s: %s", request.method, request.url.path, exc)
+    return JSONResponse(
+        error_body("The pool's queue (Redis) is unreachable; retry shortly.", "server_error",
+                   None, "redis_unavailable"),
+        status_code=503,
+        headers={"Retry-After": "1"},
+    )  # fmt: skip
+
+
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     return JSONResponse(
@@ -105,4 +118,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(redis.RedisError, _redis_unreachable)
     app.add_exception_handler(Exception, _unexpected)

@@ -18,9 +18,9 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 
 import redis
-import redis.asyncio as aioredis
 
 from shared import keys
+from shared.redis_clients import async_client
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +40,8 @@ class _Subscription:
 class StreamHub:
     def __init__(self, url: str) -> None:
         # The blocking read has a connection of its own; wake-ups go through another.
-        self._reader = aioredis.Redis.from_url(url)
-        self._writer = aioredis.Redis.from_url(url)
+        self._reader = async_client(url)
+        self._writer = async_client(url)
         self._wake_key = keys.router_wake(uuid.uuid4().hex)
         self._wake_last: bytes | str = "$"
         self._subs: dict[str, _Subscription] = {}

@@ -61,11 +61,17 @@ class EmbeddedRedis:
 
 
 def start_redis(
-    port: int | None = None, host: str = "127.0.0.1", timeout: float = 10.0
+    port: int | None = None,
+    host: str = "127.0.0.1",
+    timeout: float = 10.0,
+    rdb: str | os.PathLike[str] | None = None,
 ) -> EmbeddedRedis:
-    """Start redis-server and wait until it answers PING."""
+    """Start redis-server and wait until it answers PING. `rdb`: a snapshot (SAVE's dump.rdb)
+    to start from, as a Redis with persistence restarts."""
     port = port or free_port(host)
     workdir = tempfile.mkdtemp(prefix="mlxcel-redis-")
+    if rdb is not None:
+        shutil.copy(rdb, os.path.join(workdir, "dump.rdb"))
     args = [
         redis_server_binary(), "--port", str(port), "--bind", host, "--save", "",
         "--appendonly", "no", "--dir", workdir, "--daemonize", "no", "--loglevel", "warning",

@@ -31,6 +31,9 @@ log = logging.getLogger("mlxcel.worker")
 IDLE_BLOCK_S = 1.0
 # How often a worker runs rq's registry maintenance (rq's own workers: every 10 minutes).
 MAINTENANCE_INTERVAL_S = 60.0
+# Backoff while Redis is unreachable.
+RECONNECT_MIN_S = 0.5
+RECONNECT_MAX_S = 5.0
 
 
 @dataclass
@@ -62,16 +65,67 @@ class WorkerLoop:
         signal.signal(signal.SIGINT, ask_stop)
 
     def run(self) -> None:
+        self._register()
+        try:
+            while self._stop_requests == 0 or (self.jobs and self._stop_requests == 1):
+                try:
+                    self.iterate()
+                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                    self._reconnect(exc)
+        finally:
+            self.shutdown()
+
+    def _register(self) -> None:
         self.publisher.claim_worker_id()
         with self.publisher.r.pipeline(transaction=False) as pipe:
             self.publisher.register(pipe, self._gauges())
             pipe.execute()
         self.intake.register()
+
+    def _reconnect(self, exc: Exception) -> None:
+        """Redis went away (restart, network): drop what runs (its streams and jobs may be gone
+        with Redis), wait for Redis with backoff, register again and go on serving. The model
+        and the prompt cache stay loaded; a step's counter deltas may be lost."""
+        log.warning("lost Redis (%s): dropping %d running request(s), reconnecting", exc,
+                    len(self.jobs))  # fmt: skip
+        self._pending = None  # what it was sending went with the connection
+        orphans = list(self.jobs.values())
+        for rid in list(self.jobs):
+            self.scheduler.cancel(rid)  # frees the slot; not a healthy finish, so no donation
+        self.jobs.clear()
+        delay = RECONNECT_MIN_S
+        while self._stop_requests == 0:
+            try:
+                self._register()
+                break
+            except redis.RedisError as again:
+                log.info("Redis still unreachable (%s); retrying in %.1fs", again, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, RECONNECT_MAX_S)
+        else:
+            return
+        log.info("reconnected to Redis; serving again")
+        self._fail_orphans(orphans)
+
+    def _fail_orphans(self, orphans: list[TakenJob]) -> None:
+        """Jobs that survived in Redis (a persistent Redis kept them) are failed, so their
+        clients get an error and rq shows the truth; jobs Redis lost are left alone."""
         try:
-            while self._stop_requests == 0 or (self.jobs and self._stop_requests == 1):
-                self.iterate()
-        finally:
-            self.shutdown()
+            with self.publisher.r.pipeline(transaction=False) as pipe:
+                for taken in orphans:
+                    pipe.exists(taken.job.key)
+                alive = pipe.execute()
+            writes = StepWrites()
+            for taken, exists in zip(orphans, alive, strict=True):
+                if exists:
+                    error = StreamEvent(kind="error", error="the worker lost Redis mid-request",
+                                        error_type="server_error")  # fmt: skip
+                    self._collect(StepOutput(taken.job.id, [error], "failed",
+                                             error="lost Redis"), writes, taken)  # fmt: skip
+            if writes.events:
+                self.publisher.publish(writes, [])
+        except redis.RedisError:
+            log.warning("could not fail the requests dropped with Redis", exc_info=True)
 
     def iterate(self) -> None:
         writes = StepWrites()

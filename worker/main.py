@@ -63,8 +63,7 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
     os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", str(settings.multiproc_dir))
     Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]).mkdir(parents=True, exist_ok=True)
 
-    import redis
-
+    from shared.redis_clients import sync_client
     from worker import blas
     from worker.intake import RqIntake
     from worker.loop import WorkerLoop
@@ -85,7 +84,7 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
 
         cpu_ops.install(model)
     prompt_cache, settings_gauges = _prompt_cache(settings, model, model_id, worker_id)
-    conn = redis.Redis.from_url(settings.redis.url)
+    conn = sync_client(settings.redis.url)
     intake = RqIntake(conn, worker_id)
     info = {
         "worker_id": worker_id, "model": model_id, "pid": str(os.getpid()),

@@ -1,0 +1,118 @@
+"""Redis restarting under a running worker: the worker keeps its model loaded, waits for Redis,
+registers again and serves. Real worker process, a private real redis-server stopped and
+started again on the same port (empty, as the embedded one restarts)."""
+
+from __future__ import annotations
+
+import time
+
+import redis
+from rq import Worker
+
+from shared import keys
+from shared.redis_server import start_redis
+from tests.streams import enqueue, read_events
+
+
+def _wait(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.1)
+
+
+def test_worker_survives_a_redis_restart(start_worker) -> None:
+    server = start_redis()
+    try:
+        r = redis.Redis.from_url(server.url)
+        w = start_worker(server.url, "w1")
+        assert read_events(r, enqueue(r, [5, 6, 7], max_tokens=4))[-1].kind == "done"
+        running = enqueue(r, list(range(10, 30)), max_tokens=1500)
+        _wait(lambda: r.exists(keys.request_stream(running)), 20, "the long request started")
+
+        server.stop()  # mid-request
+        time.sleep(1.5)
+        server = start_redis(port=server.port)
+        r = redis.Redis.from_url(server.url)
+
+        _wait(lambda: r.exists(keys.worker_info("w1")), 20, "the worker registered again")
+        assert [x.name for x in Worker.all(connection=r)] == ["mlxcel-w1"]
+        assert w.proc.poll() is None
+        events = read_events(r, enqueue(r, [8, 9, 10], max_tokens=4))
+        assert events[-1].kind == "done" and events[-1].completion_tokens == 4
+        assert "lost Redis" in w.log_path.read_text()
+    finally:
+        server.stop()
+
+
+def test_a_persistent_redis_restart_fails_the_running_request(start_worker, tmp_path) -> None:
+    """Redis restarts from its snapshot, so the job the worker was running is still there: the
+    worker fails it (an error event for its client, the FailedJobRegistry for rq) and serves on.
+    (A connection merely cut is retried by redis-py itself and never reaches the worker.)"""
+    import shutil
+
+    from rq.registry import FailedJobRegistry
+
+    from shared.wire import MsgpackSerializer
+
+    server = start_redis()
+    try:
+        r = redis.Redis.from_url(server.url)
+        w = start_worker(server.url, "w1")
+        running = enqueue(r, list(range(10, 30)), max_tokens=1900)
+        _wait(lambda: r.xlen(keys.request_stream(running)) > 3, 20, "the request is streaming")
+        r.save()
+        snapshot = tmp_path / "dump.rdb"
+        shutil.copy(f"{server.workdir}/dump.rdb", snapshot)
+        server.stop()
+        time.sleep(1.5)
+        server = start_redis(port=server.port, rdb=snapshot)
+        r = redis.Redis.from_url(server.url)
+
+        events = read_events(r, running)
+        assert events[-1].kind == "error" and "lost Redis" in events[-1].error
+        failed = FailedJobRegistry(keys.SHARED_QUEUE, connection=r, serializer=MsgpackSerializer)
+        assert running in failed.get_job_ids()
+        assert read_events(r, enqueue(r, [8, 9, 10], max_tokens=4))[-1].kind == "done"
+        assert w.proc.poll() is None
+    finally:
+        server.stop()
+
+
+def test_router_answers_503_while_redis_is_down_and_serves_after_it_returns(
+    tiny_model_dir, tmp_path
+) -> None:
+    """The whole pool on a private Redis that goes down and comes back empty: while it is down
+    a request gets an OpenAI-style 503 (not a 500, not a hang); once it is back the router's
+    pooled connections and the worker recover on their own and requests succeed again."""
+    import httpx
+
+    from tests.pool_fixture import running_pool
+
+    server = start_redis()
+    try:
+        overrides = {"redis": {"url": server.url}}
+        with running_pool(tiny_model_dir, tmp_path, overrides=overrides) as pool:
+            model = httpx.get(f"{pool.url}/v1/models", timeout=10).json()["data"][0]["id"]
+            body = {"model": model, "prompt": "Once upon a time", "max_tokens": 4}
+            resp = httpx.post(f"{pool.url}/v1/completions", json=body, timeout=30)
+            assert resp.status_code == 200, resp.text
+
+            server.stop()
+            resp = httpx.post(f"{pool.url}/v1/completions", json=body, timeout=30)
+            assert resp.status_code == 503, resp.text
+            assert resp.json()["error"]["code"] == "redis_unavailable"
+
+            server = start_redis(port=server.port)
+            deadline = time.monotonic() + 30
+            while True:  # the worker registers again within a few seconds
+                resp = httpx.post(f"{pool.url}/v1/completions", json=body, timeout=30)
+                assert resp.status_code in (200, 503), resp.text
+                if resp.status_code == 200 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        server.stop()
