@@ -55,6 +55,10 @@ REPEATS_AT = {16: 3}
 GOAL_CONCURRENCY = 16
 GOAL_RATIO = 0.95
 SIDES = ("engine", "pool", "server")
+# Pause before each side: after the in-process engine's run this process's OpenBLAS threads spin
+# on for ~0.1 s (measured: 0.10 CPU-s within 100 ms of its end, then nothing), CPU the side
+# measured next would otherwise lose.
+SETTLE_S = 0.5
 SERVER_MODEL = "default_model"  # mlx_lm.server loads any other `model` value as a path / repo
 
 
@@ -199,6 +203,7 @@ def run_level(sides: Sides, c: int, max_tokens: int, seed: int) -> dict[str, lis
         prompts = distinct_prompts(sides.tokenizer, c, PROMPT_TOKENS, seed=seed + 100 * rep)
         order = SIDES[rep % 3 :] + SIDES[: rep % 3]
         for side in order:
+            time.sleep(SETTLE_S)
             m = sides.runner(side, prompts, max_tokens)()
             out[side].append(m)
             print(f"  c={c} rep={rep + 1} {side:6s} {m.tokens:5d} tok in {m.wall_s:6.2f}s = "
