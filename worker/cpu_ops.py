@@ -7,7 +7,7 @@ the bench model, 3.6 of a layer's ~7 ms for a 24-token pass over 1,000 cached to
 versions compute 2**x with `mx.power` (log2(e) folded into the scale), mask by adding a bias
 (converted once per pass, without `where`, ~8x slower here), and divide by the softmax sum
 after the value matmul. Measured here (bench model, in-process): a 976-token
-cold prefill 1,050 -> 750 ms, a 24-token warm pass 60 -> 44 ms; logits within ~4e-6 of mlx's.
+cold prefill 1,050-1,080 -> 770-785 ms, a 24-token warm pass 61-63 -> 44 ms; logits within ~4e-6.
 
 `install(model)` swaps them into the model's module (mlx-lm models call these module-level
 names) when the model runs in float32 on the CPU; anything they do not handle (attention sinks,
