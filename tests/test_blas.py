@@ -111,3 +111,25 @@ def test_report_warns_loudly_when_too_late() -> None:
     assert "WARNING" in logs
     assert "apt-get install libopenblas0-pthread" in logs
     assert "make openblas" in logs
+
+
+THREAD_TIMEOUT = """
+import os
+from worker import blas
+blas.preload_openblas()
+print(os.environ.get("OPENBLAS_THREAD_TIMEOUT"))
+"""
+
+
+def _last_line(code: str, env: dict[str, str]) -> str:
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=60, check=True)  # fmt: skip
+    return out.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="macOS uses Accelerate")
+def test_preload_sets_a_short_openblas_spin_unless_the_operator_set_one() -> None:
+    base = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    base["PYTHONPATH"] = str(REPO)
+    assert _last_line(THREAD_TIMEOUT, base) == "20"
+    assert _last_line(THREAD_TIMEOUT, {**base, "OPENBLAS_THREAD_TIMEOUT": "25"}) == "25"

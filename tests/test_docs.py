@@ -139,7 +139,9 @@ def test_documented_default_matches_defaults_toml(var: str) -> None:
         assert f"`{shown}`" in default_cell, f"{var}: defaults.toml has {value!r}"
 
 
-@pytest.mark.parametrize("var", [TRACE_ENV, "MLXCEL_OPENBLAS_PATH", "MLXCEL_TEST_CACHE_DIR"])
+@pytest.mark.parametrize(
+    "var", [TRACE_ENV, "MLXCEL_OPENBLAS_PATH", "MLXCEL_TEST_CACHE_DIR", "OPENBLAS_THREAD_TIMEOUT"]
+)
 def test_other_env_vars_are_documented(var: str) -> None:
     assert f"| `{var}` |" in ENV_DOC
 

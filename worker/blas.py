@@ -77,7 +77,17 @@ def _load_gfortran(openblas: Path) -> None:
                     continue
 
 
+# OpenBLAS's idle threads spin 2**N cycles before they sleep; its default (N=28, ~0.1 s here)
+# keeps a core busy after every matmul, which on a small machine the router, Redis and the clients
+# then wait for (measured on 2 cores: warm TTFT spikes of +35-70 ms on ~1 request in 4). 2**20
+# cycles (~0.4 ms) still spans the gaps between one forward pass's matmuls. Read when OpenBLAS
+# loads; an operator's own value wins.
+THREAD_TIMEOUT_ENV = "OPENBLAS_THREAD_TIMEOUT"
+THREAD_TIMEOUT_DEFAULT = "20"
+
+
 def _try_load() -> BlasInfo:
+    os.environ.setdefault(THREAD_TIMEOUT_ENV, THREAD_TIMEOUT_DEFAULT)
     errors: list[str] = []
     for lib in _candidates():
         if not lib.exists():
