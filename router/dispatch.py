@@ -147,7 +147,7 @@ class Dispatcher:
                 next_check = now + JOB_CHECK_INTERVAL_S
                 try:
                     failure, job_finished = await anyio.to_thread.run_sync(self._job_state, req_id)
-                except redis.RedisError as exc:  # Redis restarting: ask again at the next check
+                except (redis.ConnectionError, redis.TimeoutError) as exc:  # Redis restarting
                     log.info("job check for %s failed (%s); retrying", req_id, exc)
                     continue
                 if failure is not None:

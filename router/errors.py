@@ -118,5 +118,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(redis.RedisError, _redis_unreachable)
+    # Only an unreachable Redis is the client's 503; any other Redis error is a bug: a 500.
+    app.add_exception_handler(redis.ConnectionError, _redis_unreachable)
+    app.add_exception_handler(redis.TimeoutError, _redis_unreachable)
     app.add_exception_handler(Exception, _unexpected)

@@ -128,14 +128,6 @@ class WorkerCacheSnapshot:
     last_reject: dict[str, Any] | None = None
     info: dict[str, str] = field(default_factory=dict)
 
-    @property
-    def counters(self) -> dict[str, int]:
-        return dict(zip(COUNTER_FIELDS, self.numbers, strict=False))
-
-    @property
-    def gauges(self) -> dict[str, int]:
-        return dict(zip(GAUGE_FIELDS, self.numbers[_N_COUNTERS:], strict=True))
-
     @classmethod
     def from_values(
         cls,

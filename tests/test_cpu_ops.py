@@ -155,3 +155,18 @@ def test_last_logits_use_a_model_s_own_call_when_its_head_is_not_plain(tiny: Any
     capped = last_logits(tiny, tokens, make_prompt_cache(tiny))
     assert _close(capped, tiny(tokens, cache=make_prompt_cache(tiny))[:, -1, :]) < 1e-6
     assert float(mx.abs(capped).max().item()) <= 30.0
+
+
+def test_the_plain_head_architectures_still_have_llama_s_call() -> None:
+    """last_logits takes the shortcut only for these modules: each Model.__call__ must still be
+    exactly llama's (inner model, then lm_head or tied embeddings), or an mlx-lm upgrade that adds
+    e.g. logit soft-capping would be skipped silently."""
+    import importlib
+    import inspect
+
+    from worker import last_logits as ll
+
+    plain = inspect.getsource(llama.Model.__call__)
+    for name in ll._PLAIN_HEAD_MODULES:
+        module = importlib.import_module(f"mlx_lm.models.{name}")
+        assert inspect.getsource(module.Model.__call__) == plain, name

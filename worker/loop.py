@@ -97,15 +97,14 @@ class WorkerLoop:
         while self._stop_requests == 0:
             try:
                 self._register()
-                break
             except redis.RedisError as again:
                 log.info("Redis still unreachable (%s); retrying in %.1fs", again, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, RECONNECT_MAX_S)
-        else:
+                continue
+            log.info("reconnected to Redis; serving again")
+            self._fail_orphans(orphans)
             return
-        log.info("reconnected to Redis; serving again")
-        self._fail_orphans(orphans)
 
     def _fail_orphans(self, orphans: list[TakenJob]) -> None:
         """Jobs that survived in Redis (a persistent Redis kept them) are failed, so their
