@@ -34,6 +34,35 @@ def _qkv(b: int, q_heads: int, kv_heads: int, n_q: int, n_k: int) -> tuple[mx.ar
     )
 
 
+@pytest.fixture(params=["device", "host"], autouse=True)
+def softmax_side(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs twice: the softmax on mlx (`mx.power`), and in numpy from any size (the
+    real threshold only sends a prefill's large score matrices there)."""
+    if request.param == "host":
+        monkeypatch.setattr(cpu_ops, "HOST_SOFTMAX_MIN_SCORES", 0)
+    else:
+        monkeypatch.setattr(cpu_ops, "HOST_SOFTMAX_MIN_SCORES", 1 << 62)
+    return str(request.param)
+
+
+def test_the_host_softmax_takes_prefills_only(
+    softmax_side: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode step (one query a sequence) keeps its graph lazy for mlx-lm's async eval."""
+    calls: list[tuple[int, ...]] = []
+    real = cpu_ops._exp_on_host
+
+    def spy(scores: mx.array) -> tuple[mx.array, mx.array]:
+        calls.append(tuple(scores.shape))
+        return real(scores)
+
+    monkeypatch.setattr(cpu_ops, "_exp_on_host", spy)
+    for n_q in (1, 2, 7):
+        q, k, v = _qkv(2, 6, 2, n_q, 40)
+        cpu_ops.scaled_dot_product_attention(q, k, v, None, 0.25, "causal")
+    assert calls == ([(2, 2, 6, 40), (2, 2, 21, 40)] if softmax_side == "host" else [])
+
+
 @pytest.mark.parametrize(
     ("q_heads", "kv_heads", "n_q", "n_k"),
     [(4, 4, 1, 9), (6, 2, 1, 40), (6, 2, 7, 40), (6, 2, 40, 40), (4, 1, 5, 5)],

@@ -8,6 +8,7 @@ versions compute 2**x with `mx.power` (log2(e) folded into the scale), mask by a
 (converted once per pass, without `where`, ~8x slower here), and divide by the softmax sum
 after the value matmul. Measured here (bench model, in-process): a 976-token
 cold prefill 1,050-1,080 -> 770-785 ms, a 24-token warm pass 61-63 -> 44 ms; logits within ~4e-6.
+A prefill's large score matrices go further: numpy computes their exp (`_exp_on_host`).
 
 `install(model)` swaps them into the model's module (mlx-lm models call these module-level
 names) when the model runs in float32 on the CPU; anything they do not handle (attention sinks,
@@ -21,6 +22,7 @@ import sys
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models import activations, base
 
@@ -28,6 +30,10 @@ log = logging.getLogger("mlxcel.worker.cpu_ops")
 
 LOG2E = 1.4426950408889634
 _LOWEST = float(mx.finfo(mx.float32).min)
+# A prefill's softmax goes to numpy (see `_exp_on_host`) from this many scores up; decode steps
+# (one query a sequence) never do, so their graph stays lazy for mlx-lm's async eval.
+HOST_SOFTMAX_MIN_QUERIES = 2
+HOST_SOFTMAX_MIN_SCORES = 1 << 17
 _mlx_sdpa = base.scaled_dot_product_attention
 _mlx_swiglu = activations.swiglu
 
@@ -52,8 +58,12 @@ def scaled_dot_product_attention(
     b, n_q_heads, n_q, dim = queries.shape
     n_kv_heads, n_k = keys.shape[1], keys.shape[2]
     group = n_q_heads // n_kv_heads
+    n_scores = b * n_q_heads * n_q * n_k
+    on_host = n_q >= HOST_SOFTMAX_MIN_QUERIES and n_scores >= HOST_SOFTMAX_MIN_SCORES
     # Grouped-query heads share their KV head: one matmul per KV head, no repeated keys.
-    scores = (queries * (scale * LOG2E)).reshape(b, n_kv_heads, group * n_q, dim)
+    scores = (queries * (scale if on_host else scale * LOG2E)).reshape(
+        b, n_kv_heads, group * n_q, dim
+    )
     scores = scores @ keys.swapaxes(-1, -2)
     if mask is not None:
         if isinstance(mask, mx.array) and mask.ndim == 4 and mask.shape[1] not in (1, n_q_heads):
@@ -67,9 +77,29 @@ def scaled_dot_product_attention(
         scores = (scores.reshape(b, n_kv_heads, group, n_q, n_k) + bias).reshape(
             b, n_kv_heads, group * n_q, n_k
         )
-    weights = mx.power(2.0, scores - mx.max(scores, axis=-1, keepdims=True))
-    out = (weights @ values) / mx.sum(weights, axis=-1, keepdims=True)
+    if on_host:
+        weights, sums = _exp_on_host(scores)
+    else:
+        weights = mx.power(2.0, scores - mx.max(scores, axis=-1, keepdims=True))
+        sums = mx.sum(weights, axis=-1, keepdims=True)
+    out = (weights @ values) / sums
     return out.reshape(b, n_q_heads, n_q, dim)
+
+
+def _exp_on_host(scores: mx.array) -> tuple[mx.array, mx.array]:
+    """exp(scores - row max) and the row sums, computed by numpy in the scores' own buffer.
+
+    numpy's vectorized exp is ~6x faster than `mx.power` here (288k elements: 0.5 vs 2.9 ms).
+    It costs a synchronous eval per layer, which a prefill's score matrices repay (bench model,
+    in-process, side by side: a 976-token cold prefill in 256-token chunks 2,201 -> 1,639 ms; a
+    24-token pass over 976 cached tokens 116 -> 105 and 126 -> 116 ms).
+    Writing in place is safe: `scores` is a fresh intermediate only this function holds.
+    """
+    mx.eval(scores)
+    host = np.array(scores, copy=False)
+    host -= host.max(axis=-1, keepdims=True)
+    np.exp(host, out=host)
+    return scores, mx.array(host.sum(axis=-1, keepdims=True))
 
 
 # Every layer of one forward pass gets the same mask: convert it once (one entry is enough).
