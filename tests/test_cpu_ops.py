@@ -34,10 +34,10 @@ def _qkv(b: int, q_heads: int, kv_heads: int, n_q: int, n_k: int) -> tuple[mx.ar
     )
 
 
-@pytest.fixture(params=["device", "host"], autouse=True)
+@pytest.fixture(params=["device", "host"])
 def softmax_side(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test runs twice: the softmax on mlx (`mx.power`), and in numpy from any size (the
-    real threshold only sends a prefill's large score matrices there)."""
+    """The attention tests run twice: the softmax on mlx (`mx.power`), and in numpy from any size
+    (the real threshold only sends a prefill's large score matrices there)."""
     if request.param == "host":
         monkeypatch.setattr(cpu_ops, "HOST_SOFTMAX_MIN_SCORES", 0)
     else:
@@ -63,6 +63,7 @@ def test_the_host_softmax_takes_prefills_only(
     assert calls == ([(2, 2, 6, 40), (2, 2, 21, 40)] if softmax_side == "host" else [])
 
 
+@pytest.mark.usefixtures("softmax_side")
 @pytest.mark.parametrize(
     ("q_heads", "kv_heads", "n_q", "n_k"),
     [(4, 4, 1, 9), (6, 2, 1, 40), (6, 2, 7, 40), (6, 2, 40, 40), (4, 1, 5, 5)],
@@ -77,6 +78,7 @@ def test_attention_matches_mlx_without_mask_and_causal(
         assert _close(ours, theirs) < TOL, mask
 
 
+@pytest.mark.usefixtures("softmax_side")
 def test_attention_matches_mlx_with_left_padding_masks() -> None:
     """BatchKVCache's masks: (b, 1, q, k) booleans, including rows with every key masked (mlx
     averages the values there; -inf would make them NaN and poison the batch)."""
@@ -93,6 +95,7 @@ def test_attention_matches_mlx_with_left_padding_masks() -> None:
     assert _close(ours, theirs) < TOL
 
 
+@pytest.mark.usefixtures("softmax_side")
 def test_attention_matches_mlx_with_per_head_and_2d_masks() -> None:
     q, k, v = _qkv(2, 6, 2, 3, 10)
     mx.random.seed(7)
@@ -104,6 +107,7 @@ def test_attention_matches_mlx_with_per_head_and_2d_masks() -> None:
         assert _close(ours, theirs) < TOL
 
 
+@pytest.mark.usefixtures("softmax_side")
 def test_attention_hands_what_it_does_not_handle_to_mlx() -> None:
     """An additive float mask and attention sinks go to mlx-lm's own function, bit for bit."""
     q, k, v = _qkv(1, 4, 2, 3, 8)
@@ -147,6 +151,7 @@ def _greedy(model: Any, prompts: list[list[int]], max_tokens: int) -> list[list[
     return [out[u] for u in uids]
 
 
+@pytest.mark.usefixtures("softmax_side")
 def test_install_swaps_in_for_a_float32_cpu_model_and_greedy_tokens_stay(tiny: Any) -> None:
     vocab = tiny.args.vocab_size
     prompts = [[(i * 37 + j * 11) % (vocab - 2) + 1 for j in range(n)]
