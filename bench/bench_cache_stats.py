@@ -94,8 +94,10 @@ def main() -> int:
     args = ap.parse_args()
     n_req = 60 if args.quick else args.requests
 
-    import worker  # noqa: F401  (OpenBLAS before mlx, for the model build)
-    from worker.model_builder import ensure_model
+    from worker.mlx_cpu import blas
+
+    blas.preload_openblas()  # before the model build imports mlx
+    from devmodel.builder import ensure_model
 
     model_dir = ensure_model(REPO / ".cache" / "test", "tiny")
     server = start_redis()

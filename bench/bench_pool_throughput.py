@@ -93,7 +93,7 @@ class Engine:
         # The worker's engine includes its CPU ops: the comparison measures plumbing only.
         self.cpu_ops: list[str] = []
         if self.cfg.cpu_fast_ops:
-            from worker import cpu_ops
+            from worker.mlx_cpu import cpu_ops
 
             self.cpu_ops = cpu_ops.install(self.model)
         self.eos = sorted(self.tokenizer.eos_token_ids)

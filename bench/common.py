@@ -1,7 +1,7 @@
 """Shared helpers for the pool benchmarks: the bench model, prompts, the three sides (the pool,
 `mlx_lm.server`, the in-process engine), one streamed request with its timings, and tables.
 
-Import order matters: `import worker` (OpenBLAS preload) happens here before anything imports mlx.
+Import order matters: this module preloads OpenBLAS (an explicit call) before anything imports mlx.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import worker  # noqa: F401  (OpenBLAS before mlx)
-from worker import blas
+from worker.mlx_cpu import blas
+
+blas.preload_openblas()  # before anything below imports mlx
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `python bench/x.py` puts bench/ first, not the repo root
@@ -46,7 +47,7 @@ SERVER_DEFAULTS = {"decode_concurrency": 32, "prompt_concurrency": 8, "prefill_s
 
 
 def bench_model_dir() -> Path:
-    from worker.model_builder import ensure_model
+    from devmodel.builder import ensure_model
 
     return ensure_model(BENCH_CACHE_DIR, "bench")
 
@@ -215,7 +216,8 @@ def pool_side(
 def _server_code(model_dir: Path, port: int, extra: Sequence[str]) -> str:
     argv = ["mlx_lm.server", "--model", str(model_dir), "--port", str(port),
             "--log-level", "WARNING", *extra]  # fmt: skip
-    return ("import worker; import sys; from mlx_lm.server import main; "
+    return ("from worker.mlx_cpu import blas; blas.preload_openblas(); import sys; "
+            "from mlx_lm.server import main; "
             f"sys.argv = {argv!r}; main()")  # fmt: skip
 
 

@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--worker-id", help="worker id (worker.id)")
     worker.add_argument("--batch-size", type=_positive, help="max sequences decoded together")
 
-    # Parsed by worker.model_builder itself; listed here for --help.
+    # Parsed by devmodel.builder itself; listed here for --help.
     sub.add_parser("build-model", help="build the built-in model (see build-model --help)")
 
     redis = sub.add_parser("redis", help="run an embedded redis-server in the foreground")
@@ -68,7 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list[:1] == ["build-model"]:
-        from worker.model_builder import main as build_main
+        from worker.mlx_cpu import blas
+
+        blas.preload_openblas()  # the builder imports mlx
+        from devmodel.builder import main as build_main
 
         return build_main(args_list[1:])
     args = build_parser().parse_args(args_list)

@@ -22,14 +22,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
+from devmodel.paths import is_built
 from shared.config import ENV_VARS, TRACE_ENV, ConfigError, Settings
-from shared.model_paths import built_model_dir
+from shared.model_facts import configured_model_dir
 from shared.redis_server import EmbeddedRedis, free_port, start_redis
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# Mirrors worker.model_builder.is_built without importing it (that would import mlx): the builder
-# renames a finished build into place, so these two files exist only for a complete build.
-_BUILT_MARKERS = ("mlxcel_build.json", "model.safetensors")
 ROUTER = "router"
 LOG_TAIL_LINES = 30
 
@@ -44,10 +42,6 @@ class _Child:
     process: subprocess.Popen[bytes]
     log_path: Path
     expected: bool = True  # False once we stopped it on purpose
-
-
-def model_is_built(model_dir: Path) -> bool:
-    return all((model_dir / name).is_file() for name in _BUILT_MARKERS)
 
 
 def settings_env(settings: Settings) -> dict[str, str]:
@@ -70,19 +64,18 @@ def ensure_model(
 ) -> Path:
     """The model path the workers get: the configured one, else the default model, built in a
     subprocess when missing (its progress goes to `output`, default stderr)."""
+    path = configured_model_dir(settings.model.path, settings.cache_dir).resolve()
     if settings.model.path:
-        path = Path(os.path.expanduser(settings.model.path)).resolve()
         if not path.exists():
             raise ConfigError(f"model path {path} does not exist (model.path / MLXCEL_MODEL)")
         return path
-    path = built_model_dir(settings.cache_dir).resolve()
-    if model_is_built(path):
+    if is_built(path):
         return path
     out = output if output is not None else sys.stderr
     print(f"mlxcel-pool: building the default model into {path}", file=out, flush=True)
     argv = [sys.executable, "-m", "mlxcel_pool", "build-model", "--out", str(path)]
     rc = subprocess.run(argv, env=env, stdout=out, stderr=out, check=False).returncode
-    if rc != 0 or not model_is_built(path):
+    if rc != 0 or not is_built(path):
         raise PoolError(f"building the default model failed (exit {rc}): {' '.join(argv)}")
     return path
 

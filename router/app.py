@@ -31,7 +31,7 @@ from router.tokenization import load_tokenizer
 from shared.config import Settings, load_settings
 from shared.gc_freeze import freeze_startup_heap
 from shared.metrics import init_reject_labels
-from shared.model_paths import built_model_dir, model_id_for
+from shared.model_facts import configured_model_dir, model_id_for
 from shared.redis_clients import async_client, sync_client
 
 log = logging.getLogger(__name__)
@@ -43,9 +43,7 @@ def settings_from_env() -> Settings:
 
 
 def model_dir_for(settings: Settings) -> Path:
-    if settings.model.path:
-        return Path(os.path.expanduser(settings.model.path))
-    return built_model_dir(settings.cache_dir)
+    return configured_model_dir(settings.model.path, settings.cache_dir)
 
 
 async def _build_state(settings: Settings) -> RouterState:

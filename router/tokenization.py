@@ -7,7 +7,6 @@ directory, local files only: the router never reaches the network and never impo
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import threading
 from dataclasses import dataclass
@@ -16,11 +15,9 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-log = logging.getLogger(__name__)
+from shared.model_facts import FALLBACK_CONTEXT, ModelConfigError, model_facts
 
-# Used only when config.json names no context length (logged at load).
-FALLBACK_CONTEXT = 4096
-_CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length")
+log = logging.getLogger(__name__)
 
 
 class TokenizerLoadError(RuntimeError):
@@ -34,24 +31,6 @@ class ChatTemplateError(ValueError):
 def template_signature(template: str) -> str:
     """Short stable id of the chat template text actually used (prompt-cache isolation)."""
     return hashlib.sha256(template.encode()).hexdigest()[:16]
-
-
-def _context_length(config: dict[str, Any]) -> int | None:
-    for section in (config, config.get("text_config") or {}):
-        for key in _CONTEXT_KEYS:
-            value = section.get(key)
-            if isinstance(value, int) and value > 0:
-                return value
-    return None
-
-
-def _vocab_size(config: dict[str, Any]) -> int | None:
-    # The embedding table's size bounds valid ids (it may exceed the tokenizer's own vocabulary).
-    for section in (config, config.get("text_config") or {}):
-        value = section.get("vocab_size")
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
 
 
 @dataclass
@@ -98,20 +77,17 @@ def load_tokenizer(model_dir: Path) -> PromptTokenizer:
         raise TokenizerLoadError(
             f"cannot load the tokenizer from {model_dir}: {exc} ({hint})"
         ) from exc
-    config_path = model_dir / "config.json"
     try:
-        config = json.loads(config_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise TokenizerLoadError(f"cannot read {config_path}: {exc} ({hint})") from exc
-    context = _context_length(config)
-    if context is None:
-        log.warning("%s names no context length; assuming %d", config_path, FALLBACK_CONTEXT)
-        context = FALLBACK_CONTEXT
+        facts = model_facts(model_dir)
+    except ModelConfigError as exc:
+        raise TokenizerLoadError(f"{exc} ({hint})") from exc
+    if not facts.context_from_config:
+        log.warning("%s names no context length; assuming %d", model_dir, FALLBACK_CONTEXT)
     template = getattr(hf, "chat_template", None)
     return PromptTokenizer(
         hf=hf,
-        context_length=context,
-        vocab_size=_vocab_size(config) or len(hf),
+        context_length=facts.context_length,
+        vocab_size=facts.vocab_size or len(hf),
         default_template=template if isinstance(template, str) else None,
         _lock=threading.Lock(),
     )

@@ -57,7 +57,7 @@ class WorkerConfig(_Section):
     job_timeout_s: int = Field(900, ge=1)
     # Idle worker: gather a burst of arrivals for up to this long so they prefill as one batch.
     admission_window_ms: float = Field(30, ge=0, le=1000)
-    # float32 on CPU: attention and SwiGLU without mlx's slow CPU exp (worker/cpu_ops.py).
+    # float32 on CPU: attention and SwiGLU without mlx's slow CPU exp (worker/mlx_cpu/cpu_ops.py).
     cpu_fast_ops: bool = True
 
     @field_validator("id")

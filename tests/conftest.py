@@ -11,6 +11,10 @@ import pytest
 import redis
 
 from shared.redis_server import EmbeddedRedis, start_redis
+from worker.mlx_cpu import blas
+
+# An explicit call, before any test module imports mlx: OpenBLAS must be loaded first.
+blas.preload_openblas()
 
 REPO = Path(__file__).resolve().parent.parent
 # Built models are kept between runs here (ignored by git); a fresh clone builds them once.
@@ -39,7 +43,7 @@ def cache_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(cache_dir: Path) -> Path:
-    from worker.model_builder import ensure_model
+    from devmodel.builder import ensure_model
 
     return ensure_model(cache_dir, "tiny")
 
@@ -133,8 +137,6 @@ class MlxReference:
 
     def __init__(self, model_dir: Path) -> None:
         from mlx_lm import load
-
-        import worker  # noqa: F401  (OpenBLAS before mlx)
 
         self.model, self.tokenizer = load(str(model_dir))
 

@@ -24,7 +24,7 @@ KNOWN_OPENBLAS = [
 
 PRELOAD_THEN_IMPORT = """
 import json
-from worker import blas
+from worker.mlx_cpu import blas
 info = blas.preload_openblas()
 assert blas.preload_openblas() is info  # idempotent
 import mlx.core
@@ -35,14 +35,14 @@ print(json.dumps({"path": info.path, "too_late": info.too_late, "backend": info.
 IMPORT_THEN_PRELOAD = """
 import json
 import mlx.core
-from worker import blas
+from worker.mlx_cpu import blas
 info = blas.preload_openblas()
 print(json.dumps({"path": info.path, "too_late": info.too_late, "backend": info.backend}))
 """
 
 REPORT = """
 import logging
-from worker import blas
+from worker.mlx_cpu import blas
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
 blas.report(logging.getLogger("blas-test"))
 """
@@ -115,7 +115,7 @@ def test_report_warns_loudly_when_too_late() -> None:
 
 THREAD_TIMEOUT = """
 import os
-from worker import blas
+from worker.mlx_cpu import blas
 blas.preload_openblas()
 print(os.environ.get("OPENBLAS_THREAD_TIMEOUT"))
 """

@@ -1,4 +1,4 @@
-"""worker/cpu_ops.py and worker/last_logits.py against mlx / mlx-lm's own functions, on real arrays
+"""worker/mlx_cpu/cpu_ops.py and last_logits.py against mlx / mlx-lm's own functions, on real arrays
 and the real tiny model: same numbers (to float32 rounding), the same greedy tokens through
 BatchGenerator (left padding, chunked prefill, decode), and the fallbacks they promise."""
 
@@ -15,8 +15,8 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import activations, base
 from mlx_lm.models.cache import make_prompt_cache
 
-from worker import cpu_ops
-from worker.last_logits import last_logits
+from worker.mlx_cpu import cpu_ops
+from worker.mlx_cpu.last_logits import last_logits
 
 TOL = 2e-5
 
@@ -198,7 +198,7 @@ def test_the_plain_head_architectures_still_have_llama_s_call() -> None:
     import importlib
     import inspect
 
-    from worker import last_logits as ll
+    from worker.mlx_cpu import last_logits as ll
 
     plain = inspect.getsource(llama.Model.__call__)
     for name in ll._PLAIN_HEAD_MODULES:

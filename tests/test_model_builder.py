@@ -1,4 +1,4 @@
-"""worker.model_builder: an offline tiny Llama that mlx_lm and transformers both load."""
+"""devmodel.builder: an offline tiny Llama that mlx_lm and transformers both load."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from worker import model_builder  # preloads OpenBLAS before mlx below  # isort: skip
+from devmodel import builder as model_builder  # preloads OpenBLAS before mlx below  # isort: skip
 import mlx.core as mx  # noqa: I001
 from mlx_lm import load, stream_generate
 
@@ -112,7 +112,7 @@ def test_transformers_autotokenizer(tiny_dir: Path) -> None:
 ENSURE = """
 import sys
 from pathlib import Path
-from worker import model_builder
+from devmodel import builder as model_builder
 log = Path(sys.argv[2])
 def progress(msg):
     if "training tokenizer" in msg:

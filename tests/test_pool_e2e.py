@@ -16,7 +16,6 @@ from typing import Any
 import httpx
 import pytest
 
-import worker  # noqa: F401  (OpenBLAS before mlx)
 from tests.pool_fixture import running_pool, sse_events
 
 MAX_TOKENS = 24

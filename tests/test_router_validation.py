@@ -19,7 +19,7 @@ from router.app import create_app
 from shared import keys
 from shared.cache_stats import SPEC_FIELDS
 from shared.config import ModelConfig, RedisConfig, RouterConfig, Settings
-from shared.model_paths import model_id_for
+from shared.model_facts import model_id_for
 from shared.redis_server import EmbeddedRedis, free_port
 from shared.reject import REJECT_REASONS
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.text_stream import TextStream
+from worker.engine.text_stream import TextStream
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,11 @@
-"""The model-holding worker: rq intake, continuous-batching scheduler, prompt cache, publisher.
+"""The model-holding worker.
 
-OpenBLAS must be loaded before the first `import mlx.core` (the mlx CPU wheel links a reference
-BLAS ~50x slower for float32 matmul), so the package does it before anything else can import mlx.
+- `worker.engine`: the batch engine (continuous batching over mlx-lm's BatchGenerator, with the
+  prompt cache at admission and finish); one `Request` object per request; no I/O, no threads.
+- `worker.broker`: the Redis side (rq registration and liveness, intake, the step's publish).
+- `worker.prompt_cache`: the prefix cache (store, policy, block pool).
+- `worker.mlx_cpu`: MLX-on-CPU shims (OpenBLAS preload, CPU ops, last-row logits).
+- `worker.loop`: the loop that joins them, read like rq's `work()`.
+
+Importing this package has no side effects: `worker.main.run` preloads OpenBLAS explicitly.
 """
-
-from worker import blas as _blas
-
-_blas.preload_openblas()

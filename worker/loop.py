@@ -20,10 +20,10 @@ import redis
 
 from shared import keys
 from shared.wire import ControlCommand, ControlReply, StreamEvent
-from worker.intake import RqIntake, TakenJob
-from worker.metrics_sink import MetricsSink
+from worker.broker.intake import RqIntake, TakenJob
+from worker.broker.metrics_sink import MetricsSink
+from worker.broker.publisher import Publisher, PublishResult, StepWrites
 from worker.prompt_cache.policy import PromptCache
-from worker.publisher import Publisher, PublishResult, StepWrites
 from worker.scheduler import Scheduler, StepOutput
 
 log = logging.getLogger("mlxcel.worker")

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from shared.config import Settings
 from shared.gc_freeze import freeze_startup_heap
-from shared.model_paths import built_model_dir, model_id_for
+from shared.model_facts import configured_model_dir, model_id_for
 
 if TYPE_CHECKING:
     from worker.loop import WorkerLoop
@@ -40,7 +40,7 @@ def run(settings: Settings) -> int:
     loop = build_worker(settings)
     if loop is None:
         return 2
-    from worker.publisher import WorkerIdInUse
+    from worker.broker.publisher import WorkerIdInUse
 
     loop.install_signal_handlers()
     freeze_startup_heap(log)
@@ -63,12 +63,14 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
     os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", str(settings.multiproc_dir))
     Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]).mkdir(parents=True, exist_ok=True)
 
+    from worker.mlx_cpu import blas
+
+    blas.preload_openblas()  # first: nothing may import mlx before OpenBLAS is loaded
     from shared.redis_clients import sync_client
-    from worker import blas
-    from worker.intake import RqIntake
+    from worker.broker.intake import RqIntake
+    from worker.broker.metrics_sink import MetricsSink
+    from worker.broker.publisher import Publisher
     from worker.loop import WorkerLoop
-    from worker.metrics_sink import MetricsSink
-    from worker.publisher import Publisher
     from worker.scheduler import Scheduler
 
     blas.report(log)
@@ -80,7 +82,7 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
     model_id = model_id_for(model_dir, settings.model.id)
     model, tokenizer = _load(model_dir, model_id, worker_id)
     if settings.worker.cpu_fast_ops:
-        from worker import cpu_ops
+        from worker.mlx_cpu import cpu_ops
 
         cpu_ops.install(model)
     prompt_cache, settings_gauges = _prompt_cache(settings, model, model_id, worker_id)
@@ -113,11 +115,11 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
 
 
 def _model_dir(settings: Settings) -> Path:
+    model_dir = configured_model_dir(settings.model.path, settings.cache_dir)
     if settings.model.path:
-        return Path(settings.model.path)
-    model_dir = built_model_dir(settings.cache_dir)
+        return model_dir
     if not model_dir.exists():
-        from worker.model_builder import ensure_model
+        from devmodel.builder import ensure_model
 
         model_dir = ensure_model(settings.cache_dir)
     return model_dir

@@ -20,11 +20,11 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from shared.config import WorkerConfig
 from shared.wire import GenerationRequest, StreamEvent
-from worker.last_logits import last_logits
+from worker.engine.sampling import make_request_sampler
+from worker.engine.text_stream import TextStream
+from worker.mlx_cpu.last_logits import last_logits
 from worker.prompt_cache.keys import CacheNamespace
 from worker.prompt_cache.policy import PromptCache
-from worker.sampling import make_request_sampler
-from worker.text_stream import TextStream
 
 log = logging.getLogger("mlxcel.worker.scheduler")
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 import sys
 
-import worker  # noqa: F401  (OpenBLAS before mlx)
+from worker.mlx_cpu import blas
+
+blas.preload_openblas()  # before anything imports mlx
 
 
 def main(argv: list[str]) -> int:

@@ -143,7 +143,7 @@ def measure_matmul_gflops(n: int = 512, repeats: int = 3) -> float:
 
 def _warning_lines(info: BlasInfo, gflops: float) -> list[str]:
     reason = (
-        "mlx.core was imported before worker.blas.preload_openblas()"
+        "mlx.core was imported before worker.mlx_cpu.blas.preload_openblas()"
         if info.too_late
         else f"OpenBLAS not loaded ({info.error})"
         if info.path is None
@@ -156,7 +156,7 @@ def _warning_lines(info: BlasInfo, gflops: float) -> list[str]:
         "Generation will be 10-40x slower than it should be. To fix:",
         "  sudo apt-get install libopenblas0-pthread   (or: make openblas)",
         f"  or point {ENV_OVERRIDE} at a libopenblas.so.0,",
-        "  and make sure `import worker` happens before anything imports mlx.",
+        "  and make sure the process calls preload_openblas() before anything imports mlx.",
         "=" * 72,
     ]
 

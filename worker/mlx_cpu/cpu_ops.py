@@ -26,7 +26,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models import activations, base
 
-log = logging.getLogger("mlxcel.worker.cpu_ops")
+log = logging.getLogger("mlxcel.worker.mlx_cpu")
 
 LOG2E = 1.4426950408889634
 _LOWEST = float(mx.finfo(mx.float32).min)

@@ -1,43 +1,43 @@
 """Build a small Llama-architecture model offline (no model hub needed).
 
 Random float32 weights (seeded, so identical everywhere) plus a byte-level BPE tokenizer trained
-on :mod:`worker.corpus` and a ChatML chat template. The result loads with ``mlx_lm.load(dir)``
+on :mod:`devmodel.corpus` and a ChatML chat template. The result loads with ``mlx_lm.load(dir)``
 and ``transformers.AutoTokenizer.from_pretrained(dir)``. Random weights produce repetitive text
 and rarely emit EOS, which suits load testing: generation length is set by ``max_tokens``.
 """
 
 from __future__ import annotations
 
-# Import order matters: OpenBLAS must be loaded globally before mlx.core is first imported.
-from worker import blas
+# This module imports mlx: a process preloads OpenBLAS (worker.mlx_cpu.blas) before importing it.
+import argparse
+import fcntl
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
-blas.preload_openblas()
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-import argparse  # noqa: E402
-import fcntl  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import shutil  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable, Sequence  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
-
-import mlx.core as mx  # noqa: E402
-from mlx.utils import tree_flatten  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
-
-from worker import corpus  # noqa: E402
+from devmodel import corpus
+from devmodel.paths import (
+    BUILD_INFO_FILE,
+    BUILDER_VERSION,
+    WEIGHTS_FILE,
+    built_model_dir,
+    is_built,
+    model_dir_name,
+)
 
 Progress = Callable[[str], None]
 
-# Bump when anything that changes the built files changes, so cached models get rebuilt.
-BUILDER_VERSION = 1
-BUILD_INFO_FILE = "mlxcel_build.json"
-WEIGHTS_FILE = "model.safetensors"
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -80,10 +80,6 @@ INIT_STD = 0.02  # HF-style init for embeddings and projections
 # Larger lm_head init spreads the logits (std ~1) so greedy argmax has clear top-1/top-2
 # margins, keeping results stable across batched vs. single-sequence numerics.
 LM_HEAD_GAIN = 1.0
-
-
-def model_dir_name(size: str, seed: int) -> str:
-    return f"mlxcel-{size}-s{seed}"
 
 
 def _report(progress: Progress | None, message: str) -> None:
@@ -259,22 +255,13 @@ def build_model(
     return out_dir
 
 
-def is_built(model_dir: Path) -> bool:
-    """True when ``model_dir`` holds a complete build from this builder version."""
-    try:
-        info = json.loads((model_dir / BUILD_INFO_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return info.get("builder_version") == BUILDER_VERSION and (model_dir / WEIGHTS_FILE).exists()
-
-
 def ensure_model(
     cache_dir: Path, size: str = "tiny", seed: int = 0, progress: Progress | None = None
 ) -> Path:
     """Return ``cache_dir/models/mlxcel-{size}-s{seed}``, building it once across processes."""
-    models_dir = Path(cache_dir) / "models"
+    model_dir = built_model_dir(cache_dir, size, seed)
+    models_dir = model_dir.parent
     models_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = models_dir / model_dir_name(size, seed)
     if is_built(model_dir):
         return model_dir
     lock_path = models_dir / f".{model_dir.name}.lock"
