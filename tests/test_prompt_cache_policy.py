@@ -112,10 +112,13 @@ def test_paged_adopt_keeps_entry_pins_and_matches_cold(model: llama.Model) -> No
     got = pc.try_adopt_cached_prefix(NS, "", prompt, "s3")
     assert got is not None and got.cached_tokens == 128 and len(pc.store.main) == 2
     live = pool.counts().live
-    first = pool._blocks[next(iter(pool._pins["s3"]))]
+    assert got.lease is not None
+    first = pool._blocks[got.lease.block_ids[0]]
     assert first.ref_cnt == 3  # two entries + the pin
-    pc.release_sequence("s3")
+    got.lease.release()
     assert first.ref_cnt == 2 and pool.counts().live == live
+    got.lease.release()  # a second release gives nothing back twice
+    assert first.ref_cnt == 2
     _, cold = prefill(model, prompt)
     warm = model(mx.array([prompt[128:]]), cache=got.caches)
     assert mx.allclose(cold[:, -1], warm[:, -1], atol=1e-4)

@@ -227,9 +227,9 @@ def test_paged_blocks_shared_between_entries_with_common_prefix() -> None:
     assert pool.bytes_in_use == 4 * pool.block_nbytes
     clone = pool.clone(e2.block_ids[:2])
     assert clone[0].offset == 64
-    pool.pin("seq", e2.block_ids[:2])
+    lease = pool.pin(e2.block_ids[:2])
     assert pool._blocks[e2.block_ids[0]].ref_cnt == 3
-    pool.unpin("seq")
+    lease.release()
     assert pool._blocks[e2.block_ids[0]].ref_cnt == 2
 
 
@@ -249,10 +249,15 @@ def test_reset_frees_everything_including_paged_blocks() -> None:
     assert pool is not None
     e = paged_entry(store, list(range(96)))
     store.insert(NS, "", e)
-    pool.pin("seq", e.block_ids)
+    lease = pool.pin(e.block_ids)
     cleared, freed_bytes, freed_entries = store.reset()
     assert (cleared, freed_bytes, freed_entries) == (True, 3 * pool.block_nbytes, 1)
     assert pool.counts().live == 0 and pool.bytes_in_use == 0 and len(store.main) == 0
+    # A lease from before the reset holds nothing now: releasing it frees no reused block.
+    again = paged_entry(store, list(range(500, 596)), seed=9)
+    store.insert(NS, "", again)
+    lease.release()
+    assert pool.counts().live == 3 and all(pool._blocks[b].ref_cnt == 1 for b in again.block_ids)
     assert make_store(enabled=False)[0].reset() == (False, 0, 0)
 
 

@@ -31,13 +31,29 @@ def _registries(r: redis.Redis):
     )
 
 
-def test_rq_private_handlers_we_rely_on_still_exist() -> None:
-    # The worker calls these private rq methods; an rq upgrade that changes them must fail here.
-    for name in ("_handle_success", "_handle_failure"):
-        params = inspect.signature(getattr(Job, name)).parameters
-        for p in ("pipeline", "worker_name", "execution_id", "execution_started_at"):
-            assert p in params, (name, p)
-    assert "pipeline" in inspect.signature(Job.prepare_for_execution).parameters
+def test_rq_calls_the_worker_relies_on_keep_their_signatures() -> None:
+    # The worker writes each job's end with rq's public job, result and registry calls into its
+    # own per-step pipeline (rq's worker handlers run one job and execute their own pipelines):
+    # an rq upgrade that changes these signatures must fail here.
+    from rq.executions import Execution
+    from rq.registry import BaseRegistry
+    from rq.results import Result
+
+    def params(fn: object) -> set[str]:
+        return set(inspect.signature(fn).parameters)  # type: ignore[arg-type]
+
+    stamps = {"worker_name", "pipeline", "execution_id", "execution_started_at",
+              "execution_ended_at"}  # fmt: skip
+    assert stamps | {"job", "type", "ttl", "return_value"} <= params(Result.create)
+    assert stamps | {"job", "ttl", "exc_string"} <= params(Result.create_failure)
+    assert {"pipeline", "include_meta", "include_result"} <= params(Job.save)
+    assert {"status", "pipeline"} <= params(Job.set_status)
+    assert {"ttl", "pipeline", "remove_from_queue"} <= params(Job.cleanup)
+    assert {"job", "ttl", "pipeline"} <= params(BaseRegistry.add)
+    assert {"job", "ttl", "pipeline", "exc_string"} <= params(FailedJobRegistry.add)
+    assert {"job", "ttl", "pipeline", "worker_name"} <= params(Execution.create)
+    assert {"job", "pipeline"} <= params(Execution.delete)
+    assert "pipeline" in params(Job.prepare_for_execution)
 
 
 def test_many_jobs_run_at_once_and_registries_tell_the_truth(redis_url, start_worker) -> None:
@@ -179,7 +195,7 @@ def test_rq_worker_record_counts_jobs_and_working_time(redis_url, start_worker) 
 
 def test_a_job_abandoned_by_a_killed_worker_moves_to_failed(redis_url, start_worker) -> None:
     """rq's registry maintenance runs in our workers too: once a dead worker's execution stops
-    heartbeating (its TTL, intake.EXECUTION_TTL_S, is put in the past here, not waited for), the
+    heartbeating (its TTL, presence.EXECUTION_TTL_S, is put in the past here, not waited for), the
     next worker moves the job from the StartedJobRegistry to the FailedJobRegistry."""
     import signal
 

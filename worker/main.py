@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -12,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from shared.config import Settings
 from shared.gc_freeze import freeze_startup_heap
-from shared.model_facts import configured_model_dir, model_id_for
+from shared.model_facts import configured_model_dir
 
 if TYPE_CHECKING:
     from worker.loop import WorkerLoop
@@ -25,26 +24,15 @@ def resolve_worker_id(settings: Settings) -> str:
     return settings.worker.id or f"{socket.gethostname().split('.')[0]}-{os.getpid()}"
 
 
-def context_length(model_dir: Path, model: Any) -> int:
-    try:
-        cfg = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        cfg = {}
-    for key in ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length"):
-        if isinstance(cfg.get(key), int):
-            return int(cfg[key])
-    return int(getattr(model.args, "max_position_embeddings", 0) or 4096)
-
-
 def run(settings: Settings) -> int:
     loop = build_worker(settings)
     if loop is None:
         return 2
-    from worker.broker.publisher import WorkerIdInUse
+    from worker.broker.presence import WorkerIdInUse
 
     loop.install_signal_handlers()
     freeze_startup_heap(log)
-    log.info("worker %s ready: listening on %s", loop.scheduler.worker_id,
+    log.info("worker %s ready: listening on %s", loop.presence.worker_id,
              ", ".join(loop.intake.queue_keys))  # fmt: skip
     try:
         loop.run()
@@ -55,7 +43,7 @@ def run(settings: Settings) -> int:
 
 
 def build_worker(settings: Settings) -> WorkerLoop | None:
-    """Everything but the loop's run: model, cache check, prompt cache, rq intake, publisher."""
+    """Everything but the loop's run: model, cache check, prompt cache, engine, the Redis side."""
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -66,12 +54,15 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
     from worker.mlx_cpu import blas
 
     blas.preload_openblas()  # first: nothing may import mlx before OpenBLAS is loaded
+    from shared.model_facts import model_facts
     from shared.redis_clients import sync_client
-    from worker.broker.intake import RqIntake
+    from worker.broker.intake import RqIntake, own_queues
     from worker.broker.metrics_sink import MetricsSink
+    from worker.broker.outbox import Outbox
+    from worker.broker.presence import WorkerPresence
     from worker.broker.publisher import Publisher
+    from worker.engine.engine import Engine
     from worker.loop import WorkerLoop
-    from worker.scheduler import Scheduler
 
     blas.report(log)
     if not settings.redis.url:
@@ -79,35 +70,38 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
         return None
     worker_id = resolve_worker_id(settings)
     model_dir = _model_dir(settings)
-    model_id = model_id_for(model_dir, settings.model.id)
-    model, tokenizer = _load(model_dir, model_id, worker_id)
+    facts = model_facts(model_dir, settings.model.id)
+    model, tokenizer = _load(model_dir, facts.model_id, worker_id)
     if settings.worker.cpu_fast_ops:
         from worker.mlx_cpu import cpu_ops
 
         cpu_ops.install(model)
-    prompt_cache, settings_gauges = _prompt_cache(settings, model, model_id, worker_id)
+    prompt_cache, settings_gauges = _prompt_cache(settings, model, facts.model_id, worker_id)
     conn = sync_client(settings.redis.url)
-    intake = RqIntake(conn, worker_id)
     info = {
-        "worker_id": worker_id, "model": model_id, "pid": str(os.getpid()),
+        "worker_id": worker_id, "model": facts.model_id, "pid": str(os.getpid()),
         "host": socket.gethostname(), "started_at": f"{time.time():.3f}",
-        "rq_name": intake.name, "batch_size": str(settings.worker.batch_size),
+        "batch_size": str(settings.worker.batch_size),
         "storage_modes": settings_gauges.pop("storage_modes"),
     }  # fmt: skip
-    scheduler = Scheduler(
+    presence = WorkerPresence(conn, worker_id, own_queues(conn, worker_id), info)
+    intake = RqIntake(presence)
+    engine = Engine(
         model,
         tokenizer,
         settings.worker,
-        model_id=model_id,
+        model_id=facts.model_id,
         worker_id=worker_id,
-        context_length=context_length(model_dir, model),
+        context_length=facts.context_length,
         prompt_cache=prompt_cache,
     )
+    publisher = Publisher(presence, intake)
     return WorkerLoop(
+        engine=engine,
+        presence=presence,
         intake=intake,
-        scheduler=scheduler,
-        publisher=Publisher(conn, worker_id, intake.queue_keys, info),
-        prompt_cache=prompt_cache,
+        publisher=publisher,
+        outbox=Outbox(publisher),
         metrics=MetricsSink(),
         static_gauges=settings_gauges,
         admission_window_s=settings.worker.admission_window_ms / 1000,

@@ -30,8 +30,8 @@ def main(argv: list[str]) -> int:
 
     scenario, tokens = argv[0], json.loads(argv[1])
     loop = build_worker(load_settings())
-    assert loop is not None and loop.prompt_cache is not None
-    model = loop.scheduler.model
+    assert loop is not None and loop.engine.prompt_cache is not None
+    model = loop.engine.model
     caches = make_prompt_cache(model)
     model(mx.array([tokens]), cache=caches)
     mx.eval([c.state for c in caches])
@@ -41,7 +41,8 @@ def main(argv: list[str]) -> int:
     elif scenario != "dense_in_paged":
         raise SystemExit(f"unknown scenario {scenario!r}")
     # Completions carry no chat template: the router sends an empty signature.
-    loop.prompt_cache.store.insert_entry(CacheNamespace(loop.scheduler.model_id), "", entry)
+    prompt_cache = loop.engine.prompt_cache
+    prompt_cache.store.insert_entry(CacheNamespace(loop.engine.model_id), "", entry)
     loop.install_signal_handlers()
     loop.run()
     return 0

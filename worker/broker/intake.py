@@ -1,36 +1,36 @@
-"""rq intake: the worker registers as an rq worker and pulls MANY jobs into its running batch.
+"""rq intake: take MANY jobs into the running batch through rq's queues and registries.
 
 rq's own worker forks one child per job and runs one job at a time, which defeats batching. This
-keeps rq's registration, dequeue and registries (see ../shared/notes/rq-batching.md) so that
-`rq info` and rq-dashboard show the truth: a job is in the StartedJobRegistry from the moment it
-joins the batch, then in the Finished, Failed or Canceled registry, and the worker is listed with
-heartbeats, busy while it has jobs. It relies on private rq methods (`Job._handle_success`,
-`Job._handle_failure`): rq is pinned, and tests/test_rq_intake.py fails loudly if they change.
+keeps rq's dequeue and registries (see ../shared/notes/rq-batching.md) so that `rq info` and
+rq-dashboard show the truth: a job is in the StartedJobRegistry from the moment it joins the
+batch, then in the Finished, Failed or Canceled registry. Endings are written with rq's public
+job, result and registry calls into the caller's pipeline (the step's one round trip); the
+worker's own registration lives in `presence`.
 
-Left out (as rq's job features go): job timeouts (max_tokens and the context bound a generation),
-success/failure callbacks, dependents, retries.
+Left out (as rq's job features go): success/failure callbacks, dependents, retries. A job's
+`timeout` becomes its request's deadline in the engine.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
-import os
-import socket
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import redis
-from rq import Queue, SimpleWorker
+from rq import Queue
 from rq.exceptions import DequeueTimeout
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.registry import CanceledJobRegistry, clean_registries
+from rq.results import Result
 from rq.utils import now
-from rq.worker import WorkerStatus
 
 from shared import keys
 from shared.wire import GenerationRequest, MsgpackSerializer, WireError
+from worker.broker.presence import EXECUTION_TTL_S, WorkerPresence
 
 log = logging.getLogger("mlxcel.worker.intake")
 
@@ -38,62 +38,66 @@ RESULT_TTL_S = 600
 # A burst's jobs arrive a few ms apart (the router tokenizes and enqueues each): a pause this long
 # ends the burst.
 GATHER_GAP_S = 0.008
-# A running job's rq execution (its StartedJobRegistry entry) lives this long past its last
-# heartbeat. The loop heartbeats every second, so this only lapses when the worker is gone; rq's
-# default (job timeout + 60 s, ~16 min here) would keep a dead worker's jobs "started" that long.
-EXECUTION_TTL_S = 60
 
 
-@dataclass
+@dataclass(eq=False)
 class TakenJob:
+    """The Redis side's handle on one job: rides on the engine's Request as its ticket."""
+
     job: Job
     execution: Execution
     request: GenerationRequest | None  # None: the payload was malformed (failed right away)
     error: str = ""
+    stream_ttl_due: float = 0.0  # when the publisher next renews the stream's TTL
+
+    @property
+    def id(self) -> str:
+        return self.job.id
+
+    @property
+    def timeout_s(self) -> float | None:
+        timeout = self.job.timeout
+        return float(timeout) if isinstance(timeout, int | float) and timeout > 0 else None
+
+
+class JobOutcome(enum.Enum):
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELED = "canceled"
+
+
+@dataclass(frozen=True)
+class JobEnd:
+    """One job's end, as data: the publisher applies it to rq in the step's pipeline."""
+
+    taken: TakenJob
+    outcome: JobOutcome
+    result: dict[str, Any] | None = None
+    error: str = ""
+
+
+def own_queues(connection: redis.Redis, worker_id: str) -> list[Queue]:
+    """The worker's own queue first (routing will target it), then the shared one."""
+    return [
+        Queue(keys.worker_queue_name(worker_id), connection=connection,
+              serializer=MsgpackSerializer),
+        Queue(keys.SHARED_QUEUE, connection=connection, serializer=MsgpackSerializer),
+    ]  # fmt: skip
 
 
 class RqIntake:
-    def __init__(self, connection: redis.Redis, worker_id: str) -> None:
-        self.connection = connection
-        self.worker_id = worker_id
-        # Own queue first (cache-aware routing will target it), then the shared one.
-        self.queues = [
-            Queue(keys.worker_queue_name(worker_id), connection=connection,
-                  serializer=MsgpackSerializer),
-            Queue(keys.SHARED_QUEUE, connection=connection, serializer=MsgpackSerializer),
-        ]  # fmt: skip
-        # SimpleWorker is only a holder for rq's registration/heartbeat bookkeeping.
-        self.rq_worker = SimpleWorker(
-            self.queues,
-            connection=connection,
-            name=keys.rq_worker_name(worker_id),
-            serializer=MsgpackSerializer,
-        )
-        self.rq_worker.hostname = socket.gethostname()
-        self.rq_worker.pid = os.getpid()
-        self._busy = False
+    def __init__(self, presence: WorkerPresence) -> None:
+        self.presence = presence
+        self.connection = presence.connection
+        self.queues: list[Queue] = list(presence.queues)
 
     @property
     def name(self) -> str:
-        return self.rq_worker.name
+        return self.presence.name
 
     @property
     def queue_keys(self) -> list[str]:
         return [q.key for q in self.queues]
-
-    def register(self) -> None:
-        # A worker restarted under the same id after a crash finds its old registration still
-        # there (rq keeps it until the heartbeat TTL runs out): retire it, as rq would have.
-        if self.connection.exists(self.rq_worker.key):
-            stale = SimpleWorker.find_by_key(
-                self.rq_worker.key, connection=self.connection, serializer=MsgpackSerializer
-            )
-            if stale is not None:
-                stale.register_death()
-            self.connection.srem(self.rq_worker.redis_workers_keys, self.rq_worker.key)
-            self.connection.delete(self.rq_worker.key)
-        self.rq_worker.register_birth()
-        self.rq_worker.set_state(WorkerStatus.IDLE)
 
     def clean_registries(self) -> None:
         """rq's own registry maintenance for this worker's queues (its workers run it every few
@@ -102,12 +106,6 @@ class RqIntake:
         started."""
         for queue in self.queues:
             clean_registries(queue)
-
-    def unregister(self) -> None:
-        try:
-            self.rq_worker.register_death()
-        except redis.RedisError:
-            log.warning("could not register worker death (Redis unreachable)")
 
     def take(self, max_jobs: int, block_s: float | None) -> list[TakenJob]:
         """Dequeue up to `max_jobs` jobs: block up to `block_s` for the first one (None: don't
@@ -172,52 +170,38 @@ class RqIntake:
             return TakenJob(job, execution, None, f"malformed job payload: {exc}")
         return TakenJob(job, execution, request)
 
-    def set_busy(self, busy: bool, pipe: Any) -> None:
-        """rq's busy/idle state; written only from the publisher's pipeline, in step order."""
-        if busy != self._busy:
-            self._busy = busy
-            self.rq_worker.set_state(WorkerStatus.BUSY if busy else WorkerStatus.IDLE, pipe)
-
     # -- ending jobs: each writes into the caller's pipeline (the publisher's per-step one) --------
 
-    def _end_execution(self, pipe: Any, taken: TakenJob) -> dict[str, Any]:
-        """Close the job's execution (leaves the StartedJobRegistry); rq's handlers' kwargs."""
-        job = taken.job
+    def end(self, pipe: Any, end: JobEnd) -> None:
+        """Record a job's end in rq: its status, its Result, the matching registry."""
+        job, execution = end.taken.job, end.taken.execution
         job.ended_at = now()
-        taken.execution.delete(job, pipe)
+        execution.delete(job, pipe)  # leaves the StartedJobRegistry
         if job.started_at is not None:  # rq-dashboard shows the worker's total working time
-            self.rq_worker.increment_total_working_time(job.ended_at - job.started_at, pipe)
-        return {
-            "pipeline": pipe,
+            self.presence.increment_total_working_time(job.ended_at - job.started_at, pipe)
+        stamps = {
             "worker_name": self.name,
-            "execution_id": taken.execution.id,
-            "execution_started_at": taken.execution.created_at,
+            "pipeline": pipe,
+            "execution_id": execution.id,
+            "execution_started_at": execution.created_at,
             "execution_ended_at": job.ended_at,
         }
-
-    def finish(self, pipe: Any, taken: TakenJob, result: dict[str, Any]) -> None:
-        job = taken.job
-        job._result = result
-        job._handle_success(RESULT_TTL_S, **self._end_execution(pipe, taken))
-        job.cleanup(RESULT_TTL_S, pipeline=pipe, remove_from_queue=False)
-        self.rq_worker.increment_successful_job_count(pipeline=pipe)
-
-    def fail(self, pipe: Any, taken: TakenJob, error: str) -> None:
-        job = taken.job
-        job.set_status(JobStatus.FAILED, pipeline=pipe)
-        job._handle_failure(error, **self._end_execution(pipe, taken))
-        self.rq_worker.increment_failed_job_count(pipe)
-
-    def cancel(self, pipe: Any, taken: TakenJob) -> None:
-        job = taken.job
-        job.set_status(JobStatus.CANCELED, pipeline=pipe)
-        self._end_execution(pipe, taken)
-        CanceledJobRegistry(
-            job.origin, connection=self.connection, serializer=MsgpackSerializer
-        ).add(job, ttl=RESULT_TTL_S, pipeline=pipe)
-
-    def heartbeat(self, pipe: Any, active: list[TakenJob]) -> None:
-        """Worker heartbeat plus each running job's execution, so the started registry holds."""
-        self.rq_worker.heartbeat(pipeline=pipe)
-        for t in active:
-            t.execution.heartbeat(t.job.started_job_registry, EXECUTION_TTL_S, pipeline=pipe)
+        if end.outcome is JobOutcome.FINISHED:
+            job.set_status(JobStatus.FINISHED, pipeline=pipe)
+            job.save(pipeline=pipe, include_meta=False, include_result=False)
+            Result.create(job, Result.Type.SUCCESSFUL, RESULT_TTL_S, end.result, **stamps)
+            job.finished_job_registry.add(job, RESULT_TTL_S, pipe)
+            job.cleanup(RESULT_TTL_S, pipeline=pipe, remove_from_queue=False)
+            self.presence.increment_successful_job_count(pipeline=pipe)
+        elif end.outcome is JobOutcome.FAILED:
+            job.set_status(JobStatus.FAILED, pipeline=pipe)
+            job.failed_job_registry.add(
+                job, ttl=job.failure_ttl, exc_string=end.error, pipeline=pipe
+            )
+            Result.create_failure(job, job.failure_ttl, end.error, **stamps)
+            self.presence.increment_failed_job_count(pipe)
+        else:
+            job.set_status(JobStatus.CANCELED, pipeline=pipe)
+            CanceledJobRegistry(
+                job.origin, connection=self.connection, serializer=MsgpackSerializer
+            ).add(job, ttl=RESULT_TTL_S, pipeline=pipe)

@@ -9,7 +9,6 @@ lazily; a freed block's id goes back on the free list and its arrays are dropped
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +26,22 @@ class _Block:
     block_hash: bytes
     nbytes: int
     ref_cnt: int = 0
+
+
+@dataclass(eq=False)
+class CacheLease:
+    """A running sequence's hold on the paged blocks it adopted from; `release` gives them back
+    once (a second call, or one after the pool was reset, does nothing)."""
+
+    pool: BlockPool
+    block_ids: list[int]
+    generation: int
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.pool._unpin(self)
 
 
 @dataclass
@@ -51,7 +66,7 @@ class BlockPool:
     _next_id: int = 0
     _block_nbytes: int = 0
     _bytes_in_use: int = 0
-    _pins: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
+    _generation: int = 0  # bumped by reset: leases taken before it hold nothing
 
     @property
     def block_nbytes(self) -> int:
@@ -145,14 +160,17 @@ class BlockPool:
             out.append(cache)
         return out
 
-    def pin(self, seq_id: str, block_ids: list[int]) -> None:
-        """Hold the blocks for a running sequence (until `unpin`), so eviction cannot free them."""
+    def pin(self, block_ids: list[int]) -> CacheLease:
+        """Hold the blocks for a running sequence until the lease is released, so eviction
+        cannot free them; the lease is the only record of the hold."""
         for block_id in block_ids:
             self._blocks[block_id].ref_cnt += 1
-        self._pins[seq_id].extend(block_ids)
+        return CacheLease(self, list(block_ids), self._generation)
 
-    def unpin(self, seq_id: str) -> None:
-        self.free(self._pins.pop(seq_id, []))
+    def _unpin(self, lease: CacheLease) -> None:
+        # A reset dropped every block (and so every hold): ids from before it may be reused.
+        if lease.generation == self._generation:
+            self.free(lease.block_ids)
 
     def unique_blocks(self, block_ids: list[list[int]]) -> int:
         return len({b for ids in block_ids for b in ids})
@@ -175,7 +193,7 @@ class BlockPool:
         freed = self._bytes_in_use
         self._blocks.clear()
         self._by_hash.clear()
-        self._pins.clear()
+        self._generation += 1
         self._free_ids = list(range(self._next_id))
         self._bytes_in_use = 0
         return freed

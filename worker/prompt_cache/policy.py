@@ -15,6 +15,7 @@ from typing import Any
 
 from shared.config import PromptCacheConfig
 from shared.reject import RejectReason
+from worker.prompt_cache.block_pool import CacheLease
 from worker.prompt_cache.counters import CacheCounters
 from worker.prompt_cache.entries import (
     PAGED,
@@ -41,6 +42,7 @@ class AdoptResult:
     caches: list[Any]
     cached_tokens: int
     snapshot: bool = False
+    lease: CacheLease | None = None  # paged: the blocks held until the sequence leaves
 
 
 @dataclass(frozen=True)
@@ -158,9 +160,9 @@ class PromptCache:
             self.record_reject(RejectReason.LAYOUT_CONSTRAINTS, None, adoptable)
             return None
         assert isinstance(entry, PagedEntry) and self.store.pool is not None
-        self.store.pool.pin(seq_id, entry.block_ids[: adoptable // bs])
+        lease = self.store.pool.pin(entry.block_ids[: adoptable // bs])
         self.store.touch(match)
-        return AdoptResult(caches, adoptable, False)
+        return AdoptResult(caches, adoptable, False, lease)
 
     def _adopt_snapshot(
         self, ns: CacheNamespace, session_key: str, prompt_tokens: list[int], seq_id: str
@@ -245,11 +247,6 @@ class PromptCache:
             self._tracer.store(seq_id, entry.num_tokens, snapshot)
 
     # -- lifecycle / stats -------------------------------------------------------------------
-    def release_sequence(self, seq_id: str) -> None:
-        """Paged: unpin the blocks a sequence adopted from (call when it leaves the batch)."""
-        if self.store.pool is not None:
-            self.store.pool.unpin(seq_id)
-
     def reset(self) -> ResetResult:
         return ResetResult(*self.store.reset())
 

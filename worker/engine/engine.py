@@ -1,0 +1,399 @@
+"""The batch engine: continuous batching around mlx-lm's BatchGenerator, with the prompt cache at
+admission (adopt) and at a healthy finish (donate). No Redis, no rq, no threads: the clock is
+passed in, and every call returns a `StepResult` the caller applies.
+
+Shape (BatchGenerator's verbs): `admit(spec)` puts a request in the batch, `step()` runs one
+decode step plus a prefill chunk, `cancel(id)` takes one out, `fail_all(...)` empties the batch.
+A failure that belongs to one request (its admission, its sampler, its text) ends that request
+and leaves the batch running; a failure of the batched step itself fails every running request
+and starts a fresh generator, so the engine always goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.sample_utils import greedy_sampler
+
+from shared.config import WorkerConfig
+from shared.wire import GenerationRequest, StreamEvent
+from worker.engine.request import Request, RequestStatus
+from worker.engine.results import StepResult
+from worker.engine.sampling import make_request_sampler
+from worker.engine.text_stream import TextStream
+from worker.mlx_cpu.last_logits import last_logits
+from worker.prompt_cache.keys import CacheNamespace
+from worker.prompt_cache.policy import AdoptResult, PromptCache
+
+log = logging.getLogger("mlxcel.worker.engine")
+
+# A cache hit leaving at most this many prompt tokens to compute starts in one forward pass.
+FAST_START_MAX_TOKENS = 64
+INVALID = "invalid_request_error"
+SERVER = "server_error"
+TIMEOUT = "timeout"
+
+
+class AdmissionError(ValueError):
+    """A request this model cannot run (token ids or length out of range)."""
+
+
+@dataclass
+class EngineCounters:
+    """Drained into every StepResult, like the prompt cache's counters."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    batch_prefill_tokens: int = 0
+    batch_decode_tokens: int = 0
+    batch_decode_steps: int = 0
+
+    def take(self) -> dict[str, int]:
+        out = {k: v for k, v in vars(self).items() if v}
+        for k in out:
+            setattr(self, k, 0)
+        return out
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        config: WorkerConfig,
+        *,
+        model_id: str,
+        worker_id: str,
+        context_length: int,
+        prompt_cache: PromptCache | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.model_id = model_id
+        self.worker_id = worker_id
+        self.context_length = context_length
+        self.vocab_size = int(model.args.vocab_size)
+        self.prompt_cache = prompt_cache
+        self.clock = clock
+        self.counters = EngineCounters()
+        self._eos = frozenset(tokenizer.eos_token_ids)
+        self._last_reject_sent: dict[str, Any] | None = None
+        # The one index of running requests, by BatchGenerator uid (a batch holds few, so a
+        # lookup by request id scans it instead of keeping a second map in step).
+        self._running: dict[int, Request] = {}
+        self.gen = self._new_generator()
+
+    def _new_generator(self) -> BatchGenerator:
+        return BatchGenerator(
+            self.model,
+            max_tokens=self.config.default_max_tokens,
+            stop_tokens=[[t] for t in sorted(self._eos)],
+            completion_batch_size=self.config.batch_size,
+            prefill_batch_size=min(self.config.prefill_batch_size, self.config.batch_size),
+            prefill_step_size=self.config.prefill_step_size,
+        )
+
+    @property
+    def active(self) -> int:
+        return len(self._running)
+
+    @property
+    def free_slots(self) -> int:
+        return max(0, self.config.batch_size - self.active)
+
+    @property
+    def running(self) -> list[Request]:
+        return list(self._running.values())
+
+    def find(self, request_id: str) -> Request | None:
+        return next((r for r in self._running.values() if r.id == request_id), None)
+
+    # -- admission -------------------------------------------------------------------------
+
+    def admit(
+        self, spec: GenerationRequest, ticket: Any = None, timeout_s: float | None = None
+    ) -> StepResult:
+        """Put a request in the running batch, adopting a cached prefix when one matches. A
+        request that cannot run ends here, failed, with an error event; nothing else changes."""
+        out = StepResult()
+        now = self.clock()
+        req = Request(
+            spec=spec,
+            ticket=ticket,
+            namespace=CacheNamespace(self.model_id, spec.adapter_id, spec.template_signature),
+            text=TextStream(self.tokenizer.detokenizer, list(spec.stop)),
+            sampler=None,
+            admitted_at=now,
+            deadline=now + timeout_s if timeout_s and timeout_s > 0 else None,
+        )
+        try:
+            self._check(spec)
+            req.sampler = make_request_sampler(spec.temperature, spec.top_p, spec.seed)
+            self._start(req, out)
+        except AdmissionError as exc:
+            self._abandon(req, RequestStatus.FAILED, str(exc), INVALID, out)
+        except Exception as exc:  # this request's own failure: the batch runs on without it
+            log.exception("admitting %s failed", spec.request_id)
+            self._abandon(req, RequestStatus.FAILED, _describe(exc), SERVER, out)
+        return self._drained(out)
+
+    def _check(self, spec: GenerationRequest) -> None:
+        n = len(spec.prompt_tokens)
+        if max(spec.prompt_tokens) >= self.vocab_size:
+            raise AdmissionError(f"prompt token id out of range for vocab size {self.vocab_size}")
+        if n + spec.max_tokens > self.context_length:
+            raise AdmissionError(
+                f"prompt ({n} tokens) + max_tokens ({spec.max_tokens}) exceeds the model's "
+                f"context length {self.context_length}"
+            )
+
+    def _start(self, req: Request, out: StepResult) -> None:
+        prompt = req.spec.prompt_tokens
+        adopted: AdoptResult | None = None
+        if self.prompt_cache is not None:
+            adopted = self.prompt_cache.try_adopt_cached_prefix(
+                req.namespace, req.spec.session_key, prompt, req.seq_id
+            )
+        if adopted is not None:
+            req.cached_tokens, req.lease = adopted.cached_tokens, adopted.lease
+        self.counters.requests += 1
+        self.counters.prompt_tokens += len(prompt)
+        start = StreamEvent(
+            kind="start",
+            prompt_tokens=len(prompt),
+            cached_tokens=req.cached_tokens,
+            worker_id=self.worker_id,
+        )
+        out.emit(req, start)
+        if adopted is not None and len(prompt) - req.cached_tokens <= FAST_START_MAX_TOKENS:
+            self._fast_start(req, adopted.caches, out)
+            return
+        cached = req.cached_tokens
+        caches = adopted.caches if adopted is not None else None
+        self._insert(req, prompt[cached:], req.spec.max_tokens, caches, prompt[:cached])
+        out.prefill_pending = True
+
+    def _insert(
+        self,
+        req: Request,
+        tokens: list[int],
+        max_tokens: int,
+        caches: list[Any] | None,
+        cached_tokens: list[int],
+    ) -> None:
+        """Hand the sequence to BatchGenerator; `caches` hold KV for exactly `cached_tokens`."""
+        (uid,) = self.gen.insert(
+            [tokens],
+            max_tokens=[max_tokens],
+            caches=[caches] if caches is not None else None,
+            all_tokens=[list(cached_tokens)] if caches is not None else None,
+            samplers=[req.sampler],
+        )
+        req.uid = uid
+        self._running[uid] = req
+
+    def _fast_start(self, req: Request, caches: list[Any], out: StepResult) -> None:
+        """A cache hit that leaves a short remainder: prefill it and sample the first token in ONE
+        forward pass, here, instead of BatchGenerator's remainder pass plus a separate
+        last-token pass two steps later (on the CPU a pass over a few tokens costs about one
+        read of the weights). Long remainders take the chunked prefill, so running streams
+        never wait on them; this one short pass delays them by about one step."""
+        spec = req.spec
+        remaining = spec.prompt_tokens[req.cached_tokens :]
+        with mx.stream(self.gen.stream):
+            logits = last_logits(self.model, mx.array([remaining]), caches)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            token = int((req.sampler or greedy_sampler)(logprobs).item())
+        self.counters.batch_prefill_tokens += len(remaining)
+        req.status = RequestStatus.DECODING
+        budget_reason = "length" if spec.max_tokens == 1 else None
+        reason, _ = self._accept(req, token, "stop" if token in self._eos else budget_reason, out)
+        if reason is not None:
+            # The KV covers the prompt; the sampled token was never fed back.
+            self._finish(req, reason, caches, list(spec.prompt_tokens), out)
+            return
+        # BatchGenerator takes the sampled token as the last "prompt" token and goes on from it.
+        self._insert(req, [token], spec.max_tokens - 1, caches, spec.prompt_tokens)
+
+    # -- decode ----------------------------------------------------------------------------
+
+    def step(self) -> StepResult:
+        """One BatchGenerator step: a decode step for running sequences and a prefill chunk."""
+        out = StepResult()
+        if not self._running:
+            return out
+        self._expire(out)
+        try:
+            with self.gen.stats() as stats:
+                _, responses = self.gen.next()
+        except Exception as exc:  # the batched step itself: no one request to blame
+            log.exception("engine step failed; failing %d running requests", self.active)
+            self._fail_running(f"engine error: {_describe(exc)}", SERVER, out)
+            self.gen = self._new_generator()
+            return self._drained(out)
+        self.counters.batch_prefill_tokens += stats.prompt_tokens
+        self.counters.batch_decode_tokens += stats.generation_tokens
+        self.counters.batch_decode_steps += stats.generation_steps
+        cut: list[Request] = []  # ended by a stop string while BatchGenerator still holds them
+        for r in responses:
+            req = self._running.get(r.uid)
+            if req is None:
+                continue
+            try:
+                req.status = RequestStatus.DECODING
+                reason, by_text = self._accept(req, r.token, r.finish_reason, out)
+                if by_text:
+                    cut.append(req)
+                elif reason is not None:
+                    self._finish(req, reason, r.prompt_cache, r.all_tokens, out)
+            except Exception as exc:  # this sequence's own failure (its text, its cache)
+                log.exception("sequence %s failed", req.id)
+                self._abandon(req, RequestStatus.FAILED, _describe(exc), SERVER, out)
+        if cut:
+            kept = self.gen.remove([req.uid for req in cut], return_prompt_caches=True)
+            for req in cut:
+                layer_caches, tokens = kept.get(req.uid, (None, []))
+                self._finish(req, "stop", layer_caches, tokens, out)
+        return self._drained(out)
+
+    def _accept(
+        self, req: Request, token: int, reason: str | None, out: StepResult
+    ) -> tuple[str | None, bool]:
+        """Fold one sampled token into the request: emit its text and say why the request ends
+        (None: it goes on), and whether a stop string ended it (BatchGenerator did not)."""
+        req.completion_tokens += 1
+        self.counters.completion_tokens += 1
+        if reason == "stop" and token in self._eos:
+            return reason, False  # an EOS token ends the sequence but is no text the client sees
+        delta = req.text.push(token)
+        out.emit(req, StreamEvent(kind="delta", text=delta.text, token_ids=[token]))
+        if delta.stopped:
+            return "stop", reason is None
+        return reason, False
+
+    def _finish(
+        self,
+        req: Request,
+        reason: str,
+        layer_caches: list[Any] | None,
+        tokens: list[int] | None,
+        out: StepResult,
+    ) -> None:
+        """A healthy finish: the tail of the text, the KV offered to the prompt cache, `done`."""
+        self._leave(req)
+        tail = req.text.finish()
+        if tail:
+            out.emit(req, StreamEvent(kind="delta", text=tail))
+        if self.prompt_cache is not None:
+            self.prompt_cache.donate_finished_sequence_cache(
+                req.namespace, req.spec.session_key, req.seq_id, list(tokens or []), layer_caches
+            )
+        req.release_cache()
+        req.status, req.finish_reason = RequestStatus.FINISHED, reason
+        usage = req.usage()
+        out.emit(
+            req,
+            StreamEvent(
+                kind="done",
+                finish_reason=reason,
+                prompt_tokens=usage.prompt_tokens,
+                completion_tokens=usage.completion_tokens,
+                cached_tokens=usage.cached_tokens,
+            ),
+        )
+        out.end(req)
+
+    def _leave(self, req: Request) -> None:
+        if req.uid is not None:
+            self._running.pop(req.uid, None)
+            req.uid = None
+
+    # -- ending requests early -------------------------------------------------------------
+
+    def cancel(self, request_id: str) -> StepResult:
+        """Drop a request whose client went away; its KV is not donated (not a healthy finish)."""
+        out = StepResult()
+        req = self.find(request_id)
+        if req is not None:
+            self._abandon(req, RequestStatus.CANCELLED, "", "", out)
+        return self._drained(out)
+
+    def fail_all(self, error: str, error_type: str = SERVER) -> StepResult:
+        """End every running request, failed (a cold stop, a lost Redis)."""
+        out = StepResult()
+        self._fail_running(error, error_type, out)
+        return self._drained(out)
+
+    def _fail_running(self, error: str, error_type: str, out: StepResult) -> None:
+        for req in list(self._running.values()):
+            self._abandon(req, RequestStatus.FAILED, error, error_type, out)
+
+    def _expire(self, out: StepResult) -> None:
+        now = self.clock()
+        for req in list(self._running.values()):
+            if req.deadline is not None and now >= req.deadline:
+                limit = req.deadline - req.admitted_at
+                self._abandon(
+                    req, RequestStatus.FAILED, f"timed out after {limit:g}s", TIMEOUT, out
+                )
+
+    def _abandon(
+        self, req: Request, status: RequestStatus, error: str, error_type: str, out: StepResult
+    ) -> None:
+        """End a request without a healthy finish: out of the batch, its cache hold released,
+        an error event unless its client cancelled it."""
+        if req.uid is not None:
+            try:
+                self.gen.remove([req.uid])
+            except Exception:  # already gone from the generator (it ended inside this step)
+                log.debug("sequence %s was no longer in the batch", req.id, exc_info=True)
+            self._leave(req)
+        req.release_cache()
+        req.status, req.error, req.error_type = status, error, error_type
+        if status is RequestStatus.CANCELLED:
+            req.finish_reason = "cancelled"
+        else:
+            out.emit(req, StreamEvent(kind="error", error=error, error_type=error_type))
+        out.end(req)
+
+    # -- stats, control --------------------------------------------------------------------
+
+    def _drained(self, out: StepResult) -> StepResult:
+        """Every call hands back what its work added to the counters, and a newer last reject."""
+        out.counters = self.counters.take()
+        if self.prompt_cache is not None:
+            out.counters.update(self.prompt_cache.counters.take())
+            last = self.prompt_cache.counters.last_reject
+            if last is not None and last != self._last_reject_sent:
+                out.last_reject = self._last_reject_sent = dict(last)
+        return out
+
+    def gauges(self) -> dict[str, Any]:
+        g: dict[str, Any] = {}
+        if self.prompt_cache is not None:
+            g.update(self.prompt_cache.gauges())
+        g["batch_current_size"] = self.active
+        return g
+
+    def reset_cache(self) -> dict[str, Any]:
+        if self.prompt_cache is None:
+            return {"cleared": True, "freed_bytes": 0, "freed_entries": 0}
+        r = self.prompt_cache.reset()
+        return {
+            "cleared": bool(r.cleared),
+            "freed_bytes": int(r.freed_bytes),
+            "freed_entries": int(r.freed_entries),
+        }
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"

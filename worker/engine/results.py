@@ -1,0 +1,64 @@
+"""What the engine hands back from `admit`, `step` and `cancel`: typed data, no callables.
+
+Per call, the events each request produced (in order), the requests that ended (each with its
+final status), and the counter deltas drained from the engine and its prompt cache, so the
+Redis side applies one value per step and the decode path never touches Redis or Prometheus.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.wire import StreamEvent
+from worker.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class Ended:
+    """A request that left the engine; `request.status` is FINISHED, FAILED or CANCELLED."""
+
+    request: Request
+
+    @property
+    def status(self) -> RequestStatus:
+        return self.request.status
+
+    def result(self) -> dict[str, Any]:
+        """What rq stores as the job's result (FINISHED) or its failure text (FAILED)."""
+        req = self.request
+        usage = req.usage()
+        return {
+            "finish_reason": req.finish_reason,
+            "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens,
+            "cached_tokens": usage.cached_tokens,
+        }
+
+
+@dataclass
+class StepResult:
+    """One engine call's output. `merge` folds a later call's output into this one."""
+
+    events: dict[Request, list[StreamEvent]] = field(default_factory=dict)
+    ended: list[Ended] = field(default_factory=list)
+    counters: dict[str, int] = field(default_factory=dict)
+    last_reject: dict[str, Any] | None = None  # the newest reject record, when it changed
+    prefill_pending: bool = False  # admit: something admitted still has its prefill ahead
+
+    def emit(self, request: Request, *events: StreamEvent) -> None:
+        self.events.setdefault(request, []).extend(events)
+
+    def end(self, request: Request) -> None:
+        self.ended.append(Ended(request))
+
+    def merge(self, other: StepResult) -> StepResult:
+        for request, events in other.events.items():
+            self.emit(request, *events)
+        self.ended.extend(other.ended)
+        for name, delta in other.counters.items():
+            self.counters[name] = self.counters.get(name, 0) + delta
+        if other.last_reject is not None:
+            self.last_reject = other.last_reject
+        self.prefill_pending = self.prefill_pending or other.prefill_pending
+        return self
