@@ -4,7 +4,7 @@ in-process vs `mlx_lm.server`, on the ~50M-param bench model, at several concurr
 Sides, all on the same model and the same prompts (distinct ~64-token prompts, temperature 0):
   engine  mlx-lm's BatchGenerator in this process with the worker's batch settings; C sequences
           inserted at once and run to completion (TTFT = insert -> first token).
-  pool    embedded Redis + router (2 processes) + 1 worker; C concurrent streaming
+  pool    embedded Redis + router (`--router-processes`, 1) + 1 worker; C concurrent streaming
           /v1/completions requests over aiohttp (TTFT = send -> first content chunk).
           The pool's prompt cache is disabled (MLXCEL_PROMPT_CACHE_ENABLED=false): the prompts
           are distinct anyway, and a hit would skew the comparison.
@@ -56,8 +56,7 @@ GOAL_CONCURRENCY = 16
 GOAL_RATIO = 0.95
 SIDES = ("engine", "pool", "server")
 # Pause before each side: after the in-process engine's run this process's OpenBLAS threads spin
-# on for ~0.1 s (measured: 0.10 CPU-s within 100 ms of its end, then nothing), CPU the side
-# measured next would otherwise lose.
+# on for a while, CPU the side measured next would otherwise lose; the pause outlasts the spin.
 SETTLE_S = 0.5
 SERVER_MODEL = "default_model"  # mlx_lm.server loads any other `model` value as a path / repo
 
@@ -261,7 +260,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--json", default=None, help="write the results here")
     # One by default: on a 2-core machine the worker needs both cores, and a second router
-    # process measured ~5% less pool throughput (458 vs 480 tok/s at concurrency 16, side by side).
+    # process takes CPU from it (bench/README.md).
     p.add_argument("--router-processes", type=int, default=1)
     args = p.parse_args(argv)
     if args.quick:

@@ -29,10 +29,10 @@ from shared.cache_stats import (
 # {wid, numbers, strings, alive}. `numbers` is ONE comma-joined string of the counters then the
 # gauges in the field lists' order (missing -> 0); `strings` is the last reject, the settings and
 # the info fields joined by the ASCII unit separator (missing -> empty); `alive` is 1 while the info
-# hash exists. With 64 workers the reply parse dominated: 128 strings parse far faster than 4,000
-# bulk replies. HGETALL, not HMGET: these hashes are small ziplists, which HMGET scans
-# once per field asked (1.40 -> 1.15 ms server time for 64 workers). Field lists go in as ARGV;
-# keys only as the roster key and the shared.keys templates.
+# hash exists. Many workers make the reply parse the cost: a few strings per worker parse faster
+# than one bulk reply per field. HGETALL, not HMGET: these hashes are small ziplists, which HMGET
+# scans once per field asked. Field lists go in as ARGV; keys only as the roster key and the
+# shared.keys templates.
 READ_POOL_LUA = """
 local function split(s)
   local t = {}

@@ -1,10 +1,10 @@
 """Keep the cyclic GC off the hot path: freeze what startup built.
 
-After the router loads its tokenizer, or the worker its model, the process tracks ~130k
+After the router loads its tokenizer, or the worker its model, the process tracks a large heap of
 long-lived objects (transformers, tokenizers, mlx-lm, FastAPI), and a full collection walks all
-of them: 70-80 ms measured here, a stall of every stream the process serves (the router's relays,
-the worker's decode step) whenever one happens to run. Moving them to the permanent generation
-once startup is done (gc.freeze) leaves full collections only the objects made while serving.
+of them: a stall of every stream the process serves (the router's relays, the worker's decode
+step) whenever one happens to run. Moving them to the permanent generation once startup is done
+(gc.freeze) leaves full collections only the objects made while serving.
 """
 
 from __future__ import annotations

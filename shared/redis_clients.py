@@ -1,7 +1,7 @@
 """Redis clients as the pool makes them: a connection that Redis dropped (a restart, an idle
 timeout) is retried on a fresh one, a few times with a short backoff, instead of failing the
 call. redis-py's synchronous client does this by default; its asyncio client did not for
-pipelines (measured: the first pipeline after a Redis restart failed), so both get it here."""
+pipelines (the first pipeline after a Redis restart failed), so both get it here."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """Make MLX's CPU backend use OpenBLAS instead of the wheel's reference BLAS.
 
-The Linux ``mlx[cpu]`` wheel links the netlib reference BLAS (~3 GFLOPS float32 matmul).
-Loading a system OpenBLAS with ``RTLD_GLOBAL`` *before* ``mlx.core`` is first imported makes
-the dynamic linker resolve ``sgemm_`` & co. to OpenBLAS (~40x faster). Once ``mlx.core`` is
-imported its symbols are bound, so preloading afterwards has no effect: we record that.
+The Linux ``mlx[cpu]`` wheel links the netlib reference BLAS, far too slow to serve a model
+(bench/README.md has the figures). Loading a system OpenBLAS with ``RTLD_GLOBAL`` *before*
+``mlx.core`` is first imported makes the dynamic linker resolve ``sgemm_`` & co. to OpenBLAS. Once
+``mlx.core`` is imported its symbols are bound, so preloading afterwards has no effect: we record
+that.
 
 This module must not import mlx at module level (that would defeat the preload).
 """
@@ -77,11 +78,10 @@ def _load_gfortran(openblas: Path) -> None:
                     continue
 
 
-# OpenBLAS's idle threads spin 2**N cycles before they sleep; its default (N=28, ~0.1 s here)
-# keeps a core busy after every matmul, which on a small machine the router, Redis and the clients
-# then wait for (measured on 2 cores: warm TTFT spikes of +35-70 ms on ~1 request in 4). 2**20
-# cycles (~0.4 ms) still spans the gaps between one forward pass's matmuls. Read when OpenBLAS
-# loads; an operator's own value wins.
+# OpenBLAS's idle threads spin 2**N cycles before they sleep; its default (N=28) keeps a core busy
+# long after every matmul, a core that on a small machine the router, Redis and the clients then
+# wait for. 2**20 cycles still spans the gaps between one forward pass's matmuls. Read when
+# OpenBLAS loads; an operator's own value wins.
 THREAD_TIMEOUT_ENV = "OPENBLAS_THREAD_TIMEOUT"
 THREAD_TIMEOUT_DEFAULT = "20"
 

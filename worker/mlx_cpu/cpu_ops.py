@@ -1,14 +1,12 @@
 """Attention and SwiGLU for mlx-lm models on the CPU device, without MLX's slow CPU `exp`.
 
-In the mlx CPU wheel `mx.exp` (and `sigmoid`, which uses it) runs at ~9 ns an element, ~18x
-slower than numpy's, while `mx.power` runs ~3x faster than `mx.exp` and `add` / `matmul` are
-fast. Attention's softmax over (queries x keys) and SwiGLU's sigmoid then dominate a prefill: on
-the bench model, 3.6 of a layer's ~7 ms for a 24-token pass over 1,000 cached tokens. These
-versions compute 2**x with `mx.power` (log2(e) folded into the scale), mask by adding a bias
-(converted once per pass, without `where`, ~8x slower here), and divide by the softmax sum
-after the value matmul. Measured here (bench model, in-process): a 976-token
-cold prefill 1,050-1,080 -> 770-785 ms, a 24-token warm pass 61-63 -> 44 ms; logits within ~4e-6.
-A prefill's large score matrices go further: numpy computes their exp (`_exp_on_host`).
+In the mlx CPU wheel `mx.exp` (and `sigmoid`, which uses it) is far slower than numpy's, while
+`mx.power`, `add` and `matmul` are fast, so attention's softmax over (queries x keys) and SwiGLU's
+sigmoid dominate a prefill (figures in bench/README.md). These versions compute 2**x with
+`mx.power` (log2(e) folded into the scale), mask by adding a bias (converted once per pass, by
+arithmetic rather than `where`), and divide by the softmax sum after the value matmul; they match
+mlx-lm's own functions within the tolerances tests/test_cpu_ops.py checks. A prefill's large score
+matrices go further: numpy computes their exp (`_exp_on_host`).
 
 `install(model)` swaps them into the model's module (mlx-lm models call these module-level
 names) when the model runs in float32 on the CPU; anything they do not handle (attention sinks,
@@ -89,10 +87,8 @@ def scaled_dot_product_attention(
 def _exp_on_host(scores: mx.array) -> tuple[mx.array, mx.array]:
     """exp(scores - row max) and the row sums, computed by numpy in the scores' own buffer.
 
-    numpy's vectorized exp is ~6x faster than `mx.power` here (288k elements: 0.5 vs 2.9 ms).
-    It costs a synchronous eval per layer, which a prefill's score matrices repay (bench model,
-    in-process, side by side: a 976-token cold prefill in 256-token chunks 2,201 -> 1,639 ms; a
-    24-token pass over 976 cached tokens 116 -> 105 and 126 -> 116 ms).
+    numpy's vectorized exp beats `mx.power`, but it costs a synchronous eval per layer, which only
+    a prefill's large score matrices repay; hence the thresholds above (bench/README.md).
     Writing in place is safe: `scores` is a fresh intermediate only this function holds.
     """
     mx.eval(scores)
@@ -109,8 +105,8 @@ _bias_memo: tuple[Any, mx.array] | None = None
 def _bias(mask: Any, n_q: int, n_k: int) -> mx.array:
     """The mask as an additive bias: 0 where attending, the lowest finite float where masked (not
     -inf: a row with every key masked, as left padding makes, then averages its values as mlx's
-    own attention does, instead of turning into NaN). Arithmetic, not `where`, which is ~8x
-    slower here."""
+    own attention does, instead of turning into NaN). Arithmetic, not `where`, which is slower on
+    the CPU."""
     global _bias_memo
     key = ("causal", n_q, n_k) if isinstance(mask, str) else mask
     if _bias_memo is not None:
