@@ -90,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 @contextlib.contextmanager
@@ -105,6 +105,34 @@ def _stop_on_signals() -> Iterator[None]:
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+class _SignalStop:
+    """`Pool.supervise`'s stop flag, set by SIGINT/SIGTERM: the handler only stores the signal's
+    name (no lock it could deadlock on, unlike threading.Event), so a signal never raises in the
+    middle of a child's restart."""
+
+    def __init__(self) -> None:
+        self.signal_name = ""
+
+    def wait(self, timeout: float) -> bool:
+        if not self.signal_name:
+            time.sleep(timeout)  # a signal's handler runs, then the sleep finishes
+        return bool(self.signal_name)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signal_name = signal.Signals(signum).name
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[_SignalStop]:
+        previous = {
+            sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 # --- subcommands -----------------------------------------------------------------------------
@@ -139,10 +167,12 @@ def cmd_up(args: argparse.Namespace) -> int:
                 say(f"redis {pool.redis_url}, {args.workers} worker(s), logs in {pool.log_dir}")
                 pool.wait_healthy(args.ready_timeout)
                 print(f"mlxcel-pool ready: {pool.url}/v1", flush=True)
-                say(pool.watch())
-                return 1
-            except KeyboardInterrupt:
-                say("stopping")
+                with _SignalStop().installed() as stop:
+                    pool.supervise(stop, log=say)  # returns on a signal, raises on a crash loop
+                say(f"{stop.signal_name}: stopping")
+                return 0
+            except KeyboardInterrupt as exc:
+                say(f"{exc.args[0] if exc.args else 'interrupted'}: stopping")
                 return 0
             except PoolError as exc:
                 say(str(exc))

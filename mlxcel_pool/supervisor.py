@@ -1,8 +1,10 @@
-"""Start and stop a whole pool on one machine: embedded Redis, one router, N workers.
+"""Start, supervise and stop a whole pool on one machine: embedded Redis, one router, N workers.
 
 Used by `mlxcel-pool up` and by the end-to-end test fixtures. Each child is `python -m mlxcel_pool
 <part>` in its own process group (so a signal reaches uvicorn's subprocesses too), with its output
-in a log file. This module never imports mlx: the model is built in a subprocess.
+in a log file. `Pool.supervise` restarts a child that exits (mlxcel_pool/restarts.py decides when);
+only `up` and tests that ask for it run it. This module never imports mlx: the model is built in a
+subprocess.
 """
 
 from __future__ import annotations
@@ -14,22 +16,27 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from devmodel.paths import is_built
+from mlxcel_pool.restarts import RestartLedger, RestartPolicy
 from shared.config import ENV_VARS, TRACE_ENV, ConfigError, Settings
 from shared.model_facts import configured_model_dir
-from shared.redis_server import EmbeddedRedis, free_port, start_redis
+from shared.redis_server import EmbeddedRedis, RedisServerError, free_port, start_redis
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ROUTER = "router"
+REDIS = "redis"  # the embedded redis-server's name in supervision messages and `Pool.pid`
 LOG_TAIL_LINES = 30
+SUPERVISE_POLL_S = 0.2
 
 
 class PoolError(RuntimeError):
@@ -41,7 +48,27 @@ class _Child:
     name: str
     process: subprocess.Popen[bytes]
     log_path: Path
+    args: list[str]  # after `python -m mlxcel_pool`, kept so a restart starts the same child
+    env: dict[str, str] = field(default_factory=dict)  # this child's own additions
     expected: bool = True  # False once we stopped it on purpose
+
+
+class StopFlag(Protocol):
+    """What `Pool.supervise` polls: a threading.Event, or the CLI's signal flag."""
+
+    def wait(self, timeout: float) -> bool: ...
+
+
+def describe_exit(returncode: int) -> str:
+    """`code 2`, or `code -9 (signal SIGKILL)` for a child a signal ended."""
+    if returncode < 0:
+        with contextlib.suppress(ValueError):
+            return f"code {returncode} (signal {signal.Signals(-returncode).name})"
+    return f"code {returncode}"
+
+
+def _say(message: str) -> None:
+    print(f"mlxcel-pool: {message}", file=sys.stderr, flush=True)
 
 
 def settings_env(settings: Settings) -> dict[str, str]:
@@ -105,7 +132,8 @@ class Pool:
     """One router and `workers` workers (ids w1..wN) against one Redis.
 
     `settings.redis.url` empty: an embedded redis-server is started. `settings.router.port` 0:
-    a free port is chosen. `extra_env` is added to every child's environment.
+    a free port is chosen. `extra_env` is added to every child's environment. `restart_policy`
+    (default: `settings.supervisor`) governs `supervise`.
     """
 
     def __init__(
@@ -115,6 +143,7 @@ class Pool:
         extra_env: dict[str, str] | None = None,
         log_dir: str | Path | None = None,
         grace_s: float = 10.0,
+        restart_policy: RestartPolicy | None = None,
     ) -> None:
         self.settings = settings
         self.workers = workers
@@ -127,14 +156,20 @@ class Pool:
         self.redis_url = settings.redis.url
         self.model_path: Path | None = None
         self._redis: EmbeddedRedis | None = None
+        self.restart_policy = restart_policy or RestartPolicy.from_config(settings.supervisor)
         self._children: dict[str, _Child] = {}
         self._env: dict[str, str] = {}
+        # Held while deciding whether a child exited on its own and while (re)starting one, so a
+        # supervising thread never restarts a child that `stop_worker` or `stop` is taking down.
+        self._lock = threading.RLock()
+        self._stopping = False
 
     # --- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> Pool:
         """Redis, metrics dir, model, router, workers. On failure everything started is stopped."""
         atexit.register(self.stop)
+        self._stopping = False
         try:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             if not self.redis_url:
@@ -165,10 +200,12 @@ class Pool:
         """SIGTERM every child's process group, SIGKILL what is left after the grace period,
         then stop the embedded Redis. Safe to call twice."""
         atexit.unregister(self.stop)
-        live = [c for c in self._children.values() if c.process.poll() is None]
-        for child in live:
-            child.expected = False
-            _killpg(child.process.pid, signal.SIGTERM)
+        with self._lock:
+            self._stopping = True
+            live = [c for c in self._children.values() if c.process.poll() is None]
+            for child in live:
+                child.expected = False
+                _killpg(child.process.pid, signal.SIGTERM)
         deadline = time.monotonic() + self.grace_s
         for child in live:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -193,21 +230,23 @@ class Pool:
 
     # --- workers ---------------------------------------------------------------------------
 
-    def start_worker(self, worker_id: str) -> None:
+    def start_worker(self, worker_id: str, env: dict[str, str] | None = None) -> None:
+        """Start worker `worker_id`; `env` is added to its environment (and kept for restarts)."""
         if self.model_path is None:
             raise PoolError("start the pool before adding workers")
         child = self._children.get(worker_id)
         if child is not None and child.process.poll() is None:
             raise PoolError(f"worker {worker_id} is already running")
         self._spawn(worker_id, ["worker", "--worker-id", worker_id,
-                                "--model", str(self.model_path)])  # fmt: skip
+                                "--model", str(self.model_path)], env)  # fmt: skip
 
     def stop_worker(self, worker_id: str, sig: int = signal.SIGTERM) -> int:
         """Send `sig` to the worker's process group and wait (SIGKILL after the grace period).
         Returns its exit code; the pool does not count this as a failure."""
         child = self._children[worker_id]
-        child.expected = False
-        _killpg(child.process.pid, sig)
+        with self._lock:
+            child.expected = False
+            _killpg(child.process.pid, sig)
         try:
             child.process.wait(self.grace_s)
         except subprocess.TimeoutExpired:
@@ -218,6 +257,75 @@ class Pool:
 
     def kill_worker(self, worker_id: str) -> int:
         return self.stop_worker(worker_id, signal.SIGKILL)
+
+    def pid(self, name: str) -> int:
+        """The process id of child `name` (a worker id, `router`, or `redis` when embedded)."""
+        if name == REDIS and self._redis is not None:
+            return self._redis.process.pid
+        return self._children[name].process.pid
+
+    # --- supervision -----------------------------------------------------------------------
+
+    def supervise(
+        self,
+        stop: StopFlag,
+        log: Callable[[str], None] = _say,
+        poll_s: float = SUPERVISE_POLL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """Restart every child (and the embedded Redis) that exits unless we stopped it, after
+        the policy's backoff, until `stop` is set. A crash loop raises PoolError naming the
+        child; the caller then stops the pool. A worker's clean exit after SIGTERM (a drain) is
+        restarted too, which makes `kill -TERM <worker>` a rolling restart."""
+        ledger = RestartLedger(self.restart_policy)
+        due: dict[str, float] = {}  # child -> when to start it again
+        while not stop.wait(poll_s):
+            now = clock()
+            for name, rc in self._exited(skip=due):
+                decision = ledger.decide(name, now)
+                if not decision.restart:
+                    raise PoolError(self._report(decision.message(describe_exit(rc)), [name]))
+                log(decision.message(describe_exit(rc)))
+                due[name] = now + decision.delay_s
+            for name in [n for n, at in due.items() if at <= now]:
+                del due[name]
+                self._restart(name, log)
+
+    def _exited(self, skip: dict[str, float]) -> list[tuple[str, int]]:
+        """Children that exited on their own and are not already waiting in `skip`, with their
+        exit codes; what a dead child's process group left behind is killed, freeing its port."""
+        out: list[tuple[str, int]] = []
+        with self._lock:
+            if self._stopping:
+                return out
+            for child in list(self._children.values()):
+                rc = child.process.poll()
+                if child.expected and rc is not None and child.name not in skip:
+                    _killpg(child.process.pid, signal.SIGKILL)
+                    out.append((child.name, rc))
+            if self._redis is not None and REDIS not in skip:
+                rc = self._redis.process.poll()
+                if rc is not None:
+                    out.append((REDIS, rc))
+        return out
+
+    def _restart(self, name: str, log: Callable[[str], None]) -> None:
+        with self._lock:
+            if self._stopping:
+                return
+            if name == REDIS:
+                if self._redis is None:
+                    return
+                try:
+                    self._redis = self._redis.restarted()
+                except RedisServerError as exc:
+                    # The dead server stays in place, so the next poll counts this as one more exit.
+                    log(f"{REDIS} did not restart: {exc}")
+                return
+            child = self._children.get(name)
+            if child is None or not child.expected or child.process.poll() is None:
+                return  # stopped on purpose (or already started again) while it waited
+            self._spawn(name, child.args, child.env)
 
     # --- health ----------------------------------------------------------------------------
 
@@ -255,12 +363,6 @@ class Pool:
             time.sleep(0.25)
         raise PoolError(self._report(f"not healthy after {timeout}s (last /health: {status})"))
 
-    def watch(self, poll_s: float = 0.5) -> str:
-        """Block until a child dies unexpectedly; return the report."""
-        while not (failed := self.failures()):
-            time.sleep(poll_s)
-        return self._report("; ".join(failed))
-
     # --- logs ------------------------------------------------------------------------------
 
     def log_path(self, name: str) -> Path:
@@ -272,9 +374,10 @@ class Pool:
         except FileNotFoundError:
             return ""
 
-    def _report(self, headline: str) -> str:
+    def _report(self, headline: str, names: list[str] | None = None) -> str:
+        """`headline`, then the last lines of each child's log (of `names` only, when given)."""
         parts = [headline]
-        for name in self._children:
+        for name in [n for n in self._children if names is None or n in names]:
             tail = self.logs(name).splitlines()[-LOG_TAIL_LINES:]
             parts.append(f"--- last lines of {self.log_path(name)} ---\n" + "\n".join(tail))
         return "\n".join(parts)
@@ -293,14 +396,14 @@ class Pool:
         env["PYTHONUNBUFFERED"] = "1"  # log files show progress as it happens
         return env
 
-    def _spawn(self, name: str, args: list[str]) -> None:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
         argv = [sys.executable, "-m", "mlxcel_pool", *args]
         path = self.log_path(name)
         with open(path, "ab") as log:
             log.write(f"--- mlxcel-pool: starting {name}: {' '.join(argv)}\n".encode())
             log.flush()
             process = subprocess.Popen(
-                argv, env=self._env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                start_new_session=True,
+                argv, env={**self._env, **(env or {})}, stdin=subprocess.DEVNULL, stdout=log,
+                stderr=log, start_new_session=True,
             )  # fmt: skip
-        self._children[name] = _Child(name, process, path)
+        self._children[name] = _Child(name, process, path, args, dict(env or {}))

@@ -90,6 +90,17 @@ class MetricsConfig(_Section):
     multiproc_dir: str = ""
 
 
+class SupervisorConfig(_Section):
+    """How `mlxcel-pool up` restarts a child that exited (mlxcel_pool/restarts.py)."""
+
+    # A child restarted this many times within restart_window_s that exits again stops the pool.
+    restart_limit: int = Field(5, ge=0)
+    restart_window_s: float = Field(60, gt=0)
+    # The first restart waits restart_backoff_s; each restart still in the window doubles it.
+    restart_backoff_s: float = Field(0.5, ge=0)
+    restart_backoff_max_s: float = Field(10, ge=0)
+
+
 class Settings(_Section):
     redis: RedisConfig = RedisConfig()
     router: RouterConfig = RouterConfig()
@@ -97,6 +108,7 @@ class Settings(_Section):
     worker: WorkerConfig = WorkerConfig()
     prompt_cache: PromptCacheConfig = PromptCacheConfig()
     metrics: MetricsConfig = MetricsConfig()
+    supervisor: SupervisorConfig = SupervisorConfig()
 
     @property
     def cache_dir(self) -> Path:
@@ -140,6 +152,10 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "MLXCEL_PROMPT_CACHE_SNAPSHOT_MAX_ENTRIES": ("prompt_cache", "snapshot_max_entries"),
     "MLXCEL_PROMPT_CACHE_SNAPSHOT_TTL": ("prompt_cache", "snapshot_ttl_s"),
     "PROMETHEUS_MULTIPROC_DIR": ("metrics", "multiproc_dir"),
+    "MLXCEL_RESTART_LIMIT": ("supervisor", "restart_limit"),
+    "MLXCEL_RESTART_WINDOW_S": ("supervisor", "restart_window_s"),
+    "MLXCEL_RESTART_BACKOFF_S": ("supervisor", "restart_backoff_s"),
+    "MLXCEL_RESTART_BACKOFF_MAX_S": ("supervisor", "restart_backoff_max_s"),
 }
 
 # The trace switch has its own exact rule (spec): on only for the exact value "1".

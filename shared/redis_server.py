@@ -59,6 +59,12 @@ class EmbeddedRedis:
                 self.process.wait()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
+    def restarted(self, timeout: float = 10.0) -> EmbeddedRedis:
+        """Stop this server (if still running) and start an empty one on the same host and port,
+        so clients keep their URL and reconnect."""
+        self.stop()
+        return start_redis(port=self.port, host=self.host, timeout=timeout)
+
 
 def start_redis(
     port: int | None = None,

@@ -100,6 +100,14 @@ def test_redis_command_serves_and_stops_on_sigint(spawned: list[subprocess.Popen
     assert not _port_open(port)
 
 
+def _wait_text(path: Path, text: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in path.read_text():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{text!r} not in {path} within {timeout}s")
+        time.sleep(0.1)
+
+
 def _get(url: str) -> tuple[int, Any]:
     with urllib.request.urlopen(url, timeout=30) as resp:
         return resp.status, json.loads(resp.read() or b"null")
@@ -145,6 +153,13 @@ def test_up_serves_a_completion_and_stops_cleanly(
     assert isinstance(body["choices"][0]["text"], str)
     assert body["usage"]["completion_tokens"] >= 1
 
+    # `up` supervises: a killed worker is started again and serves.
+    (worker,) = [c for c in psutil.Process(proc.pid).children() if "worker" in c.cmdline()]
+    worker.kill()
+    _wait_text(tmp_path / "up.stderr", "w1 exited with code -9 (signal SIGKILL); restarting", 30)
+    completion = {"model": models["data"][0]["id"], "prompt": "Again", "max_tokens": 4}
+    assert _post(f"{base}/completions", completion)[0] == 200
+
     children = psutil.Process(proc.pid).children(recursive=True)
     redis_ports = [  # redis-server rewrites its title, so ask for its listening socket
         conn.laddr.port
@@ -156,6 +171,7 @@ def test_up_serves_a_completion_and_stops_cleanly(
     assert len(redis_ports) == 1, [c.cmdline() for c in children]
     proc.send_signal(signal.SIGINT)
     assert proc.wait(60) == 0, (tmp_path / "up.stderr").read_text()[-4000:]
+    assert "mlxcel-pool up: SIGINT: stopping" in (tmp_path / "up.stderr").read_text()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and not all(_gone(c.pid) for c in children):
         time.sleep(0.1)
