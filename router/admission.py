@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from router.errors import APIError
 from router.openai_types import ChatCompletionRequest, CompletionRequest
 from router.tokenization import ChatTemplateError, PromptTokenizer
-from shared.wire import GenerationRequest
+from shared.wire import MAX_SEED, GenerationRequest
 
-MAX_STOP_SEQUENCES = 4
+# OpenAI allows 4; the bound keeps the worker's per-step stop matching small.
+MAX_STOP_SEQUENCES = 16
 
 
 class Outcome(enum.StrEnum):
@@ -75,6 +76,8 @@ def _check_common(body: CompletionRequest | ChatCompletionRequest, ctx: Admissio
         )
     if body.n != 1:
         raise _invalid("Only n=1 is supported.", "n")
+    if body.seed is not None and not 0 <= body.seed <= MAX_SEED:
+        raise _invalid(f"'seed' must be an integer in [0, 2**63 - 1], got {body.seed}.", "seed")
 
 
 def _stop_list(stop: str | list[str] | None) -> list[str]:

@@ -46,6 +46,10 @@ class APIError(Exception):
 def error_body(
     message: str, type: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
+    # An error body must always encode: client text quoted in a message keeps a lone surrogate
+    # only as a `\udXXX` escape, never as a character UTF-8 cannot write.
+    if not message.isascii():
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -57,14 +61,37 @@ def _param_of(loc: tuple[Any, ...]) -> str | None:
     return ".".join(parts) or None
 
 
-def _validation_message(err: dict[str, Any]) -> tuple[str, str | None]:
+def _is_type_mismatch(err: dict[str, Any]) -> bool:
+    return str(err.get("type", "")).endswith("_type")
+
+
+def _most_specific(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """A union reports one error per member it tried (`prompt: ["\\ud800"]`: "not a string",
+    "item 0 is not an int", "item 0 holds a lone surrogate"): the deepest error that is not a
+    type mismatch is the one that names what is actually wrong."""
+    return max(errors, key=lambda err: (len(err.get("loc", ())), not _is_type_mismatch(err)))
+
+
+def validation_failure(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """The (message, param) of the 400 that answers pydantic's errors for a request body."""
+    if not errors:
+        return "Invalid request.", None
+    err = _most_specific(errors)
     if err.get("type") == "json_invalid":
         return "We could not parse the JSON body of your request.", None
     param = _param_of(tuple(err.get("loc", ())))
-    if param is None and err.get("type") in ("model_type", "model_attributes_type"):
+    # A body that is a JSON array, string, number or null has no field to name.
+    if param is None and err.get("type") in ("model_type", "model_attributes_type", "missing"):
         return "The request body must be a JSON object.", None
+    message = str(err.get("msg", "invalid value"))
+    if _is_type_mismatch(err):
+        # Each member of a union refused the type: name every type the field takes.
+        wanted = [str(e.get("msg")) for e in errors if _is_type_mismatch(e)
+                  and _param_of(tuple(e.get("loc", ()))) == param]  # fmt: skip
+        rest = [m.removeprefix("Input should be ") for m in dict.fromkeys(wanted) if m != message]
+        message = " or ".join([message, *rest])
     where = f"'{param}'" if param else "the request body"
-    return f"Invalid value for {where}: {err.get('msg', 'invalid value')}.", param
+    return f"Invalid value for {where}: {message}.", param
 
 
 async def _api_error(_: Request, exc: Exception) -> JSONResponse:
@@ -75,8 +102,7 @@ async def _api_error(_: Request, exc: Exception) -> JSONResponse:
 async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     # FastAPI answers 422 with its own shape; OpenAI clients expect a 400 error object.
     assert isinstance(exc, RequestValidationError)
-    errors = list(exc.errors())
-    message, param = _validation_message(errors[0]) if errors else ("Invalid request.", None)
+    message, param = validation_failure(list(exc.errors()))
     return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
 
 

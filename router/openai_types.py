@@ -1,8 +1,10 @@
 """OpenAI wire types: the request bodies we accept and the response objects we build.
 
 Request models validate *types* strictly (a string where a number belongs is a 400, not a silent
-cast) and ignore unknown fields, as OpenAI clients send many we do not use. Range and semantic
-checks (max_tokens against the context, n, the model id) live in router.admission.
+cast) and ignore unknown fields, as OpenAI clients send many we do not use. Every string we read
+is `Text`: JSON can carry a lone surrogate (`"\\ud800"`) that Python accepts but UTF-8, msgpack
+and the tokenizer do not. Range and semantic checks (max_tokens against the context, n, seed, the
+number of stop sequences, the model id) live in router.admission.
 """
 
 from __future__ import annotations
@@ -10,11 +12,31 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
 FinishReason = Literal["stop", "length"]
+
+
+def _valid_unicode(text: str) -> str:
+    # A str that does not encode to UTF-8 holds a lone surrogate (JSON decoding joins pairs).
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise PydanticCustomError(
+                "lone_surrogate",
+                "the text holds a lone surrogate at position {position}; "
+                "send valid Unicode (a surrogate escape must be half of a pair)",
+                {"position": exc.start},
+            ) from None
+    return text
+
+
+# Every string field of a request: one that is not valid Unicode is a 400 naming its field.
+Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 
 class _Body(BaseModel):
@@ -26,32 +48,33 @@ class StreamOptions(_Body):
 
 
 class _SamplingFields(_Body):
-    model: str
+    model: Text
     max_tokens: int | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = None
-    stop: str | list[str] | None = Field(None)
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    prompt_cache_key: str | None = None
+    user: Text | None = None
+    prompt_cache_key: Text | None = None
     n: int = 1
 
 
 class CompletionRequest(_SamplingFields):
     # A string, token ids, or a one-element list of either (admission rejects longer lists).
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
 
 
 class TextPart(_Body):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    content: Text | list[TextPart]
+    name: Text | None = None
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -62,7 +85,7 @@ class ChatMessage(_Body):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    chat_template: str | None = None
+    chat_template: Text | None = None
 
 
 # --- responses -----------------------------------------------------------------------------------
