@@ -270,10 +270,10 @@ class Engine:
     ) -> tuple[str | None, bool]:
         """Fold one sampled token into the request: emit its text and say why the request ends
         (None: it goes on), and whether a stop string ended it (BatchGenerator did not)."""
+        if reason == "stop" and token in self._eos:
+            return reason, False  # an EOS token ends the sequence: no text, no completion token
         req.completion_tokens += 1
         self.counters.completion_tokens += 1
-        if reason == "stop" and token in self._eos:
-            return reason, False  # an EOS token ends the sequence but is no text the client sees
         delta = req.text.push(token)
         out.emit(req, StreamEvent(kind="delta", text=delta.text, token_ids=[token]))
         if delta.stopped:
