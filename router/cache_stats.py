@@ -24,15 +24,17 @@ from shared.cache_stats import (
     WorkerCacheSnapshot,
     merge_pool,
 )
+from shared.liveness import min_alive_pttl_ms
 
 # Per member, from two HGETALLs (its counters hash and its info hash):
 # {wid, numbers, strings, alive}. `numbers` is ONE comma-joined string of the counters then the
 # gauges in the field lists' order (missing -> 0); `strings` is the last reject, the settings and
-# the info fields joined by the ASCII unit separator (missing -> empty); `alive` is 1 while the info
-# hash exists. Many workers make the reply parse the cost: a few strings per worker parse faster
-# than one bulk reply per field. HGETALL, not HMGET: these hashes are small ziplists, which HMGET
-# scans once per field asked. Field lists go in as ARGV; keys only as the roster key and the
-# shared.keys templates.
+# the info fields joined by the ASCII unit separator (missing -> empty); `alive` is 1 while the
+# worker's heartbeat is fresh (shared.liveness: its info hash's PTTL above ARGV[7]). Many
+# workers make the reply parse the cost: a few strings per worker parse faster than one bulk
+# reply per field. HGETALL, not HMGET: these hashes are small ziplists, which HMGET scans once
+# per field asked. Field lists go in as ARGV; keys only as the roster key and the shared.keys
+# templates.
 READ_POOL_LUA = """
 local function split(s)
   local t = {}
@@ -42,6 +44,7 @@ end
 local counter_f, reject_f = split(ARGV[3]), split(ARGV[4])
 local gauge_f, string_f = split(ARGV[5]), split(ARGV[6])
 local n_counters = #counter_f
+local min_pttl = tonumber(ARGV[7])
 local US = string.char(31)  -- the ASCII unit separator
 local n_numbers, n_strings = n_counters + #gauge_f, #reject_f + #string_f
 -- field name -> its slot: numbers in `cpos` (counters hash) and `gpos` (info hash), strings in
@@ -74,9 +77,12 @@ for _, wid in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   for i = 1, n_numbers do nums[i] = '0' end
   for i = 1, n_strings do strs[i] = '' end
   fill(redis.call('HGETALL', key(ARGV[2], counters_at, wid)), cpos, nums, strs)
-  local info = redis.call('HGETALL', key(ARGV[1], info_at, wid))
+  local info_key = key(ARGV[1], info_at, wid)
+  local info = redis.call('HGETALL', info_key)
   fill(info, gpos, nums, strs)
-  out[#out + 1] = {wid, table.concat(nums, ','), table.concat(strs, US), #info > 0 and 1 or 0}
+  local alive = 0
+  if #info > 0 and redis.call('PTTL', info_key) > min_pttl then alive = 1 end
+  out[#out + 1] = {wid, table.concat(nums, ','), table.concat(strs, US), alive}
 end
 return out
 """
@@ -88,6 +94,7 @@ _ARGS = [
     ",".join(LAST_REJECT_HASH_FIELDS),
     ",".join(GAUGE_FIELDS),
     ",".join(SETTING_FIELDS + INFO_FIELDS),
+    str(min_alive_pttl_ms()),
 ]
 _N_REJECT = len(LAST_REJECT_HASH_FIELDS)
 _SETTINGS_END = _N_REJECT + len(SETTING_FIELDS)

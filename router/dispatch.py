@@ -9,6 +9,7 @@ the event loop never blocks and a request is never left hanging: no event within
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,8 +25,10 @@ from rq.job import Job, JobStatus
 
 from router.stream_hub import Entry, StreamHub
 from shared import keys
+from shared.liveness import DEAD_AFTER_S, DEAD_CONFIRMATIONS, heartbeat_age_s
 from shared.wire import (
     JOB_FUNC,
+    REDIS_UNAVAILABLE,
     STREAM_FIELD,
     GenerationRequest,
     MsgpackSerializer,
@@ -37,8 +40,8 @@ log = logging.getLogger(__name__)
 
 # How long a request waits on its stream before it checks its client and its job.
 IDLE_CHECK_S = 1.0
-# How often (at most) a waiting request asks rq whether its job failed.
-JOB_CHECK_INTERVAL_S = 2.0
+# How often (at most) a waiting request asks rq whether its job failed or its worker died.
+JOB_CHECK_INTERVAL_S = 1.0
 RESULT_TTL_S = 600
 FAILURE_TTL_S = 3600
 QUEUED_TTL_S = 600
@@ -51,7 +54,38 @@ CANCELLED_STREAM_TTL_S = 60
 TIMEOUT = "timeout"
 JOB_FAILED = "job_failed"
 
+# A request's worker that stops beating (shared.liveness) costs it its attempt: one more is made
+# while no token has reached the client.
+WORKER_LOST = "worker_lost"
+MAX_ATTEMPTS = 2
+# While tokens flow, how often a request asks whether its client is still there.
+CLIENT_CHECK_S = 0.05
+
 Disconnected = Callable[[], Awaitable[bool]]
+
+
+@dataclass
+class _Attempt:
+    """One enqueue of a request: its job, the worker that took it, the events relayed so far."""
+
+    gen: GenerationRequest
+    number: int = 1
+    worker_id: str = ""
+    next_seq: int = 0
+    stale_checks: int = 0
+    finished: bool = False
+
+    @property
+    def job_id(self) -> str:
+        return self.gen.request_id
+
+
+@dataclass(frozen=True)
+class _JobState:
+    failure: str | None = None  # the job failed or vanished: the request ends with this
+    failure_type: str = JOB_FAILED
+    lost: str | None = None  # its worker stopped beating
+    finished: bool = False
 
 
 @dataclass
@@ -83,41 +117,74 @@ class Dispatcher:
             pipe.execute()
 
     async def events(
-        self, req_id: str, disconnected: Disconnected | None = None
+        self, gen: GenerationRequest, disconnected: Disconnected | None = None
     ) -> AsyncIterator[StreamEvent]:
-        """The request's events up to and including its `done` or `error`. Closing the iterator
-        early (client gone) tells the worker to drop the sequence; the stream is deleted after."""
-        finished = False
+        """The request's events up to and including its `done` or `error`. A request whose worker
+        died before any token reached the client is enqueued once more, onto whichever worker
+        is live (the client never sees the death); one that had streamed tokens ends with an
+        error. Closing the iterator early (client gone) tells the worker to drop the sequence."""
+        attempt = _Attempt(gen)
+        relayed_tokens = False
         try:
-            async with aclosing(self._read(req_id, disconnected)) as reader:
-                async for event in reader:
-                    finished = event.kind in ("done", "error")
-                    yield event
-                    if finished:
-                        return
+            while True:
+                lost: StreamEvent | None = None
+                async with aclosing(self._read(attempt, disconnected)) as reader:
+                    async for event in reader:
+                        if event.kind == "error" and event.error_type == WORKER_LOST:
+                            lost = event
+                            break
+                        attempt.finished = event.kind in ("done", "error")
+                        relayed_tokens = relayed_tokens or event.kind == "delta"
+                        yield event
+                        if attempt.finished:
+                            return
+                if lost is None:
+                    return  # the client went away (or nothing more will come)
+                if relayed_tokens or attempt.number >= MAX_ATTEMPTS:
+                    attempt.finished = True
+                    yield lost
+                    return
+                try:
+                    attempt = await self._requeue(attempt)
+                except redis.RedisError as exc:
+                    log.warning("request %s: could not enqueue it again: %s", gen.request_id, exc)
+                    attempt.finished = True
+                    yield lost
+                    return
+                log.warning("request %s: %s; enqueued again", gen.request_id, lost.error)
         finally:
             # Shielded: this also runs when the client's task is being cancelled.
             with anyio.CancelScope(shield=True):
-                await self._cleanup(req_id, cancel=not finished)
+                await self._cleanup(attempt.job_id, cancel=not attempt.finished)
+
+    async def _requeue(self, lost: _Attempt) -> _Attempt:
+        """The next attempt, under a new job id (the lost worker's job keeps its own); the lost
+        job gets its cancel flag, so a worker that was only slow drops it instead of racing."""
+        await self._cleanup(lost.job_id, cancel=True)
+        again = dataclasses.replace(lost.gen, request_id=f"{lost.gen.request_id}-{lost.number}")
+        await anyio.to_thread.run_sync(self.enqueue, again)
+        return _Attempt(again, number=lost.number + 1)
 
     async def _read(
-        self, req_id: str, disconnected: Disconnected | None
+        self, attempt: _Attempt, disconnected: Disconnected | None
     ) -> AsyncIterator[StreamEvent]:
-        stream = keys.request_stream(req_id)
+        stream = keys.request_stream(attempt.job_id)
         queue = await self.hub.subscribe(stream)
         try:
-            async for event in self._watch(req_id, queue, disconnected):
+            async for event in self._watch(attempt, queue, disconnected):
                 yield event
         finally:
             self.hub.unsubscribe(stream)
 
     async def _watch(
-        self, req_id: str, queue: asyncio.Queue[Entry], disconnected: Disconnected | None
+        self, attempt: _Attempt, queue: asyncio.Queue[Entry], disconnected: Disconnected | None
     ) -> AsyncIterator[StreamEvent]:
-        """Relay the hub's entries; between them, notice a vanished client, a failed or lost
-        job, or the request timeout."""
+        """Relay the hub's entries in sequence (a duplicate is dropped, a gap ends the request);
+        between them, notice a vanished client, a failed or lost job, a dead worker, or the
+        request timeout."""
         last_event_at = time.monotonic()
         next_check = last_event_at + JOB_CHECK_INTERVAL_S
+        next_client_check = last_event_at + CLIENT_CHECK_S
         job_finished = False
         while True:
             # Per streamed token: take what the hub already queued without a wait; otherwise
@@ -130,11 +197,29 @@ class Dispatcher:
                         _, fields = await queue.get()
                 except TimeoutError:
                     fields = None
-            if fields is not None:
-                yield _decode(fields)
-                last_event_at = time.monotonic()
-                continue
             now = time.monotonic()
+            if fields is not None:
+                event = _decode(fields)
+                if event.seq < attempt.next_seq and event.error_type != JOB_FAILED:
+                    continue  # a write Redis applied twice: relayed already
+                if event.seq > attempt.next_seq:
+                    yield _error(
+                        JOB_FAILED,
+                        f"the request's stream lost events "
+                        f"{attempt.next_seq}..{event.seq - 1}; its text is incomplete",
+                    )
+                    return  # fmt: skip
+                attempt.next_seq = event.seq + 1
+                if event.kind == "start":
+                    attempt.worker_id = event.worker_id
+                yield event
+                last_event_at = now
+                # A client that left is let go within a step even while tokens flow.
+                if disconnected is not None and now >= next_client_check:
+                    next_client_check = now + CLIENT_CHECK_S
+                    if await disconnected():
+                        return
+                continue
             if disconnected is not None and await disconnected():
                 return
             if job_finished:  # rq says done, and nothing more came: the worker lost the end
@@ -146,36 +231,49 @@ class Dispatcher:
             if now >= next_check:
                 next_check = now + JOB_CHECK_INTERVAL_S
                 try:
-                    failure, job_finished = await anyio.to_thread.run_sync(self._job_state, req_id)
+                    state = await anyio.to_thread.run_sync(self._job_state, attempt)
                 except (redis.ConnectionError, redis.TimeoutError) as exc:  # Redis restarting
-                    log.info("job check for %s failed (%s); retrying", req_id, exc)
+                    log.info("job check for %s failed (%s); retrying", attempt.job_id, exc)
                     continue
-                if failure is not None:
-                    yield _error(JOB_FAILED, failure)
+                job_finished = state.finished
+                if state.failure is not None:
+                    yield _error(state.failure_type, state.failure)
+                    return
+                if state.lost is not None:
+                    yield _error(WORKER_LOST, state.lost)
                     return
 
-    def _job_state(self, req_id: str) -> tuple[str | None, bool]:
-        """(failure message or None, finished) from rq, on the sync client."""
+    def _job_state(self, attempt: _Attempt) -> _JobState:
+        """The job as rq records it and, while it runs, whether its worker still beats (on the
+        sync client, in a worker thread)."""
         try:
-            job = Job.fetch(req_id, connection=self.sync_redis, serializer=MsgpackSerializer)
+            job = Job.fetch(attempt.job_id, connection=self.sync_redis,
+                            serializer=MsgpackSerializer)  # fmt: skip
             status = job.get_status(refresh=False)
         except NoSuchJobError:
-            return "the job no longer exists (expired or deleted before a worker took it)", False
+            return _JobState(
+                failure="the job no longer exists (Redis lost it, or it expired unstarted)",
+                failure_type=REDIS_UNAVAILABLE,
+            )
         if status == JobStatus.FINISHED:
-            return None, True
+            return _JobState(finished=True)
         if status in (JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED):
-            return _failure_text(job, status), False
-        if status == JobStatus.STARTED:
-            # rq only learns of a killed worker when its registries are cleaned, long after: the
-            # worker's own liveness key (refreshed every second, LIVENESS_TTL_S) tells sooner.
-            wid = keys.parse_rq_worker_name(job.worker_name or "")
-            if wid is not None and not self.sync_redis.exists(keys.worker_info(wid)):
-                return (
-                    f"worker {wid} stopped while running this request (its liveness key "
-                    f"expired); the request was not finished",
-                    False,
-                )
-        return None, False
+            return _JobState(failure=_failure_text(job, status))
+        if status != JobStatus.STARTED:
+            return _JobState()
+        # The worker that runs it: named by its start event, else by rq's record of the job.
+        wid = attempt.worker_id or keys.parse_rq_worker_name(job.worker_name or "")
+        if wid is None:
+            return _JobState()
+        age = heartbeat_age_s(int(self.sync_redis.pttl(keys.worker_info(wid))))
+        if age is not None and age < DEAD_AFTER_S:
+            attempt.stale_checks = 0
+            return _JobState()
+        attempt.stale_checks += 1
+        if attempt.stale_checks < DEAD_CONFIRMATIONS:
+            return _JobState()
+        since = "its liveness key is gone" if age is None else f"no heartbeat for {age:.0f}s"
+        return _JobState(lost=f"worker {wid} stopped while running this request ({since})")
 
     async def _cleanup(self, req_id: str, cancel: bool) -> None:
         try:

@@ -10,7 +10,7 @@ Channels and their one message type each:
 from __future__ import annotations
 
 import dataclasses
-import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -20,6 +20,8 @@ import msgpack
 # own forking worker must never import it, so it names a module that only checks it is not called.
 JOB_FUNC = "worker.jobs.generate"
 STREAM_FIELD = b"m"
+# The largest seed a request may carry: a signed 64-bit int, what every sampler backend takes.
+MAX_SEED = 2**63 - 1
 
 
 def pack(obj: Any) -> bytes:
@@ -34,22 +36,44 @@ class WireError(ValueError):
     """A message from Redis that does not have the expected shape."""
 
 
-@functools.cache
-def _field_names(cls: type) -> frozenset[str]:
-    return frozenset(f.name for f in dataclasses.fields(cls))
+# Wire types are exact (`type(v) in types`): msgpack only makes builtins, and bool is no int here.
+_NUMBER = (int, float)
+_TYPE_NAMES = {int: "an int", float: "a float", str: "a str", list: "a list", dict: "a map",
+               type(None): "nil"}  # fmt: skip
 
 
-def _from_dict(cls: type, data: Any) -> Any:
-    if not isinstance(data, dict):
+def _unpack_message(cls: type, data: Any) -> Any:
+    """`unpack` for one channel's message: bytes that are not msgpack are a WireError too."""
+    try:
+        return unpack(data)
+    except (ValueError, TypeError) as exc:  # msgpack's errors are ValueErrors; TypeError: not bytes
+        raise WireError(f"{cls.__name__}: not a msgpack message ({exc})") from exc
+
+
+def _from_dict(cls: Any, data: Any) -> Any:
+    """Build `cls` from a map whose every key is one of `cls.WIRE_TYPES` and whose values have
+    the exact types listed there; required fields are those without a dataclass default."""
+    if type(data) is not dict:
         raise WireError(f"{cls.__name__}: expected a map, got {type(data).__name__}")
-    # Once per streamed token on the router: the field names are computed once per class.
-    unknown = data.keys() - _field_names(cls)
-    if unknown:
-        raise WireError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
+    # Once per streamed token on the router: one dict lookup and one type test per field.
+    types: dict[Any, tuple[type, ...]] = cls.WIRE_TYPES
+    for name, value in data.items():
+        allowed = types.get(name)
+        if allowed is None:
+            raise WireError(f"{cls.__name__}: unknown field {name!r}")
+        if type(value) not in allowed:
+            wanted = " or ".join(_TYPE_NAMES[t] for t in allowed)
+            raise WireError(f"{cls.__name__}: {name} must be {wanted}, got {type(value).__name__}")
     try:
         return cls(**data)
-    except TypeError as exc:
+    except TypeError as exc:  # a required field is missing
         raise WireError(f"{cls.__name__}: {exc}") from exc
+
+
+def _all_ints(values: list[Any], minimum: int | None = None) -> bool:
+    if not all(type(v) is int for v in values):
+        return False
+    return minimum is None or not values or min(values) >= minimum
 
 
 @dataclass
@@ -70,32 +94,67 @@ class GenerationRequest:
     adapter_id: str = ""
     enqueued_at: float = 0.0
 
+    WIRE_TYPES: ClassVar[dict[str, tuple[type, ...]]] = {
+        "request_id": (str,), "model": (str,), "prompt_tokens": (list,), "max_tokens": (int,),
+        "temperature": _NUMBER, "top_p": _NUMBER, "seed": (int, type(None)), "stop": (list,),
+        "session_key": (str,), "template_signature": (str,), "adapter_id": (str,),
+        "enqueued_at": _NUMBER,
+    }  # fmt: skip
+
     def to_wire(self) -> dict[str, Any]:
-        # A shallow copy: asdict deep-copied every prompt token (~1 ms for a 1,000-token prompt,
-        # on the router's enqueue path); rq packs this right away.
+        # A shallow copy, not asdict, which deep-copies every prompt token on the router's
+        # enqueue path: rq packs this dict right away, so sharing the token list is harmless.
         return dict(vars(self))
 
     @classmethod
     def from_wire(cls, data: Any) -> GenerationRequest:
+        """The job's request, or WireError: a job the router would not have written fails alone
+        instead of reaching the sampler with a value it cannot take."""
         req = _from_dict(cls, data)
-        if not isinstance(req.prompt_tokens, list) or not req.prompt_tokens:
-            raise WireError("GenerationRequest: prompt_tokens must be a non-empty list")
-        if not all(isinstance(t, int) and t >= 0 for t in req.prompt_tokens):
-            raise WireError("GenerationRequest: prompt_tokens must be non-negative ints")
-        if not isinstance(req.max_tokens, int) or req.max_tokens < 1:
-            raise WireError("GenerationRequest: max_tokens must be a positive int")
+        if not req.request_id:
+            raise WireError("GenerationRequest: request_id must not be empty")
+        if not req.prompt_tokens or not _all_ints(req.prompt_tokens, minimum=0):
+            raise WireError(
+                "GenerationRequest: prompt_tokens must be a non-empty list of ints >= 0"
+            )
+        if req.max_tokens < 1:
+            raise WireError(f"GenerationRequest: max_tokens must be >= 1, got {req.max_tokens}")
+        try:
+            numbers = float(req.temperature), float(req.top_p), float(req.enqueued_at)
+        except OverflowError as exc:
+            raise WireError("GenerationRequest: temperature, top_p or enqueued_at is too big "
+                            "for a float") from exc  # fmt: skip
+        req.temperature, req.top_p, req.enqueued_at = numbers
+        if not (math.isfinite(req.temperature) and req.temperature >= 0):
+            raise WireError(
+                f"GenerationRequest: temperature must be finite and >= 0, got {req.temperature}"
+            )
+        if not 0 < req.top_p <= 1:  # NaN fails this too
+            raise WireError(f"GenerationRequest: top_p must be in (0, 1], got {req.top_p}")
+        if not math.isfinite(req.enqueued_at):
+            raise WireError(f"GenerationRequest: enqueued_at must be finite, got {req.enqueued_at}")
+        if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
+            raise WireError(f"GenerationRequest: seed must be in [0, 2**63 - 1], got {req.seed}")
+        if not all(type(s) is str for s in req.stop):
+            raise WireError("GenerationRequest: stop must be a list of str")
         return req
 
 
 EventKind = Literal["start", "delta", "done", "error"]
+# The error_type of an `error` event whose request was lost with Redis (a restart, a stall past
+# the bound): the client gets a 503 it may retry, as when Redis is down at admission.
+REDIS_UNAVAILABLE = "redis_unavailable"
 
 
 @dataclass
 class StreamEvent:
     """One entry of a request's stream. `start` once (worker id, cached tokens), `delta`s with
-    text and token ids, then exactly one of `done` (finish reason and usage) or `error`."""
+    text and token ids, then exactly one of `done` (finish reason and usage) or `error`. `seq`
+    numbers a request's events 0, 1, 2, ...: a reader drops a repeat and stops at a gap, so a
+    write Redis applied twice or lost can never show as text."""
 
     kind: EventKind
+    seq: int = 0
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -107,6 +166,12 @@ class StreamEvent:
     error_type: str = ""
 
     KINDS: ClassVar[frozenset[str]] = frozenset({"start", "delta", "done", "error"})
+    WIRE_TYPES: ClassVar[dict[str, tuple[type, ...]]] = {
+        "kind": (str,), "seq": (int,), "text": (str,), "token_ids": (list,),
+        "finish_reason": (str, type(None)), "prompt_tokens": (int,),
+        "completion_tokens": (int,), "cached_tokens": (int,),
+        "worker_id": (str,), "error": (str,), "error_type": (str,),
+    }  # fmt: skip
 
     def to_wire(self) -> bytes:
         # Packed once per token: the instance dict as it is, not asdict's deep copy.
@@ -114,9 +179,11 @@ class StreamEvent:
 
     @classmethod
     def from_wire(cls, data: bytes) -> StreamEvent:
-        ev = _from_dict(cls, unpack(data))
+        ev = _from_dict(cls, _unpack_message(cls, data))
         if ev.kind not in cls.KINDS:
             raise WireError(f"StreamEvent: unknown kind {ev.kind!r}")
+        if not _all_ints(ev.token_ids):
+            raise WireError("StreamEvent: token_ids must be a list of ints")
         return ev
 
 
@@ -127,12 +194,18 @@ class ControlCommand:
     kind: Literal["cache_reset"]
     reply_id: str
 
+    KINDS: ClassVar[frozenset[str]] = frozenset({"cache_reset"})
+    WIRE_TYPES: ClassVar[dict[str, tuple[type, ...]]] = {"kind": (str,), "reply_id": (str,)}
+
     def to_wire(self) -> bytes:
         return pack(dataclasses.asdict(self))
 
     @classmethod
     def from_wire(cls, data: bytes) -> ControlCommand:
-        return _from_dict(cls, unpack(data))
+        cmd = _from_dict(cls, _unpack_message(cls, data))
+        if cmd.kind not in cls.KINDS:
+            raise WireError(f"ControlCommand: unknown kind {cmd.kind!r}")
+        return cmd
 
 
 @dataclass
@@ -142,12 +215,16 @@ class ControlReply:
     result: dict[str, Any] = field(default_factory=dict)
     error: str = ""
 
+    WIRE_TYPES: ClassVar[dict[str, tuple[type, ...]]] = {
+        "worker_id": (str,), "kind": (str,), "result": (dict,), "error": (str,),
+    }  # fmt: skip
+
     def to_wire(self) -> bytes:
         return pack(dataclasses.asdict(self))
 
     @classmethod
     def from_wire(cls, data: bytes) -> ControlReply:
-        return _from_dict(cls, unpack(data))
+        return _from_dict(cls, _unpack_message(cls, data))
 
 
 class MsgpackSerializer:

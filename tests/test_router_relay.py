@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 
 from router.dispatch import CANCELLED_STREAM_TTL_S
 from router.tokenization import template_signature
-from shared import keys
+from shared import keys, liveness
 from shared.redis_server import EmbeddedRedis
 from shared.wire import (
     JOB_FUNC,
@@ -83,8 +83,14 @@ def take_job(r: redis.Redis, timeout: float = 5.0) -> tuple[Job, GenerationReque
     return job, req
 
 
+_played: dict[str, int] = {}  # request id -> the seq of its next event, as a worker numbers them
+
+
 def play(r: redis.Redis, req: GenerationRequest, *events: StreamEvent) -> None:
+    """Write events as the worker would: into the request's stream, numbered 0, 1, 2, ..."""
     for ev in events:
+        ev.seq = _played.get(req.request_id, 0)
+        _played[req.request_id] = ev.seq + 1
         r.xadd(keys.request_stream(req.request_id), {STREAM_FIELD: ev.to_wire()})
 
 
@@ -288,6 +294,7 @@ def test_cache_reset_asks_every_live_worker(router_url: str, r: redis.Redis) -> 
     for wid, freed in (("w1", 100), ("w2", 50)):
         r.sadd(keys.workers_roster(), wid)
         r.hset(keys.worker_info(wid), "pid", "1")
+        r.expire(keys.worker_info(wid), keys.LIVENESS_TTL_S)
 
         def answer(wid: str = wid, freed: int = freed) -> None:
             _, raw = r.blpop([keys.worker_control(wid)], timeout=5)
@@ -306,3 +313,84 @@ def test_cache_reset_asks_every_live_worker(router_url: str, r: redis.Redis) -> 
 def test_cache_reset_with_no_workers(router_url: str, r: redis.Redis) -> None:
     out = post(router_url, "/v1/cache/reset", {}).json()
     assert out == {"cleared": False, "freed_bytes": 0, "freed_entries": 0, "workers": {}}
+
+
+# --- exactly once: sequence numbers, a worker that stops beating --------------------------------
+
+
+def test_an_event_written_twice_is_relayed_once(
+    router_url: str, r: redis.Redis, pool: ThreadPoolExecutor, model_id: str
+) -> None:
+    fut = pool.submit(post, router_url, "/v1/completions", {"model": model_id, "prompt": "x"})
+    _, req = take_job(r)
+    start, delta, done = (StreamEvent(kind="start", worker_id="w1"),
+                          StreamEvent(kind="delta", text="once", token_ids=[1]),
+                          StreamEvent(kind="done", finish_reason="length", completion_tokens=1))
+    play(r, req, start, delta)
+    # A pipeline Redis applied twice (a retry after a timeout) writes the same event again.
+    r.xadd(keys.request_stream(req.request_id), {STREAM_FIELD: delta.to_wire()})
+    play(r, req, done)
+    resp = fut.result(15)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == "once"
+
+
+def test_a_gap_in_the_stream_ends_the_request_instead_of_wrong_text(
+    router_url: str, r: redis.Redis, pool: ThreadPoolExecutor, model_id: str
+) -> None:
+    body = {"model": model_id, "prompt": "x", "stream": True}
+    fut: Future[list[str]] = pool.submit(sse_lines, router_url, "/v1/completions", body)
+    _, req = take_job(r)
+    play(r, req, StreamEvent(kind="start", worker_id="w1"), StreamEvent(kind="delta", text="a"))
+    lost = StreamEvent(kind="delta", text="c", seq=3)  # seq 2 never arrived
+    r.xadd(keys.request_stream(req.request_id), {STREAM_FIELD: lost.to_wire()})
+    lines = fut.result(15)
+    texts = [json.loads(x[6:]).get("choices", [{}])[0].get("text") for x in lines[:-2]]
+    assert "c" not in texts
+    error = json.loads(lines[-2].removeprefix("data: "))["error"]
+    assert "lost events 2..2" in error["message"]
+
+
+def _beating(r: redis.Redis, wid: str, age_s: float) -> None:
+    """A worker's info hash as its last heartbeat `age_s` ago left it."""
+    r.hset(keys.worker_info(wid), "pid", "1")
+    r.pexpire(keys.worker_info(wid), int((keys.LIVENESS_TTL_S - age_s) * 1000))
+
+
+def test_a_request_whose_worker_died_before_any_token_runs_again_elsewhere(
+    router_url: str, r: redis.Redis, pool: ThreadPoolExecutor, model_id: str
+) -> None:
+    fut = pool.submit(post, router_url, "/v1/completions", {"model": model_id, "prompt": "x"})
+    job, req = take_job(r)
+    job.set_status(JobStatus.STARTED)
+    _beating(r, "w1", age_s=liveness.DEAD_AFTER_S + 1)  # w1 took it, then stopped beating
+    play(r, req, StreamEvent(kind="start", worker_id="w1"))
+    r.lrem(Queue(keys.SHARED_QUEUE, connection=r).key, 0, job.id)  # w1 had taken it
+    again, req2 = take_job(r, timeout=15)
+    assert req2.request_id == f"{req.request_id}-1" and req2.prompt_tokens == req.prompt_tokens
+    # The lost attempt is fenced: a worker that was only slow drops it.
+    assert r.get(keys.request_cancel(req.request_id)) == b"1"
+    play(r, req2, StreamEvent(kind="start", worker_id="w2"),
+         StreamEvent(kind="delta", text="fine", token_ids=[1]),
+         StreamEvent(kind="done", finish_reason="length", completion_tokens=1))  # fmt: skip
+    resp = fut.result(15)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == "fine"
+
+
+def test_a_request_whose_worker_died_after_tokens_ends_with_an_error(
+    router_url: str, r: redis.Redis, pool: ThreadPoolExecutor, model_id: str
+) -> None:
+    body = {"model": model_id, "prompt": "x", "stream": True}
+    fut: Future[list[str]] = pool.submit(sse_lines, router_url, "/v1/completions", body)
+    job, req = take_job(r)
+    job.set_status(JobStatus.STARTED)
+    r.lrem(Queue(keys.SHARED_QUEUE, connection=r).key, 0, job.id)  # w3 had taken it
+    play(r, req, StreamEvent(kind="start", worker_id="w3"), StreamEvent(kind="delta", text="a"))
+    _beating(r, "w3", age_s=liveness.DEAD_AFTER_S + 1)
+    started = time.monotonic()
+    lines = fut.result(15)
+    error = json.loads(lines[-2].removeprefix("data: "))["error"]
+    assert "worker w3 stopped" in error["message"] and "no heartbeat" in error["message"]
+    assert time.monotonic() - started < 5  # two checks a second apart, not the request timeout
+    assert Queue(keys.SHARED_QUEUE, connection=r).count == 0  # not run again: text was out

@@ -3,6 +3,7 @@ against a real Redis and the real tiny model's tokenizer (no worker runs here)."
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.app import create_app
-from shared import keys
+from shared import keys, liveness
 from shared.cache_stats import SPEC_FIELDS
 from shared.config import ModelConfig, RedisConfig, RouterConfig, Settings
 from shared.model_facts import model_id_for
@@ -166,7 +167,7 @@ def test_prompt_too_long_for_the_context(client: httpx.Client, model_id: str) ->
         ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
         ("/v1/completions", {"prompt": [10**7]}, "prompt"),
         ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
-        ("/v1/completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ("/v1/completions", {"prompt": "hi", "stop": ["s"] * 17}, "stop"),
         ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
         ("/v1/completions", {"prompt": "hi", "temperature": 2.5}, "temperature"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
@@ -177,6 +178,112 @@ def test_invalid_requests_are_400(
     client: httpx.Client, model_id: str, path: str, body: dict[str, Any], param: str
 ) -> None:
     assert_error(client.post(path, json={"model": model_id, **body}), 400, param)
+
+
+# Every case below was a 500 or a dead worker on the code before issue 10's fixes.
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def post_raw(client: httpx.Client, path: str, body: Any) -> httpx.Response:
+    """POST `body` as JSON text with every non-ASCII character escaped, so a lone surrogate goes
+    out as the JSON escape `\ud800` (httpx's `json=` would fail to encode it as UTF-8)."""
+    return client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize(
+    ("seed", "message"),
+    [(-1, "[0, 2**63 - 1]"), (2**64, "[0, 2**63 - 1]"), (2**63, "[0, 2**63 - 1]"),
+     ("7", "integer"), (True, "integer"), (1.5, "integer")],
+)  # fmt: skip
+def test_seed_must_be_an_int_in_range(
+    client: httpx.Client, model_id: str, seed: Any, message: str
+) -> None:
+    body = {"model": model_id, "prompt": "hello", "seed": seed, "temperature": 1}
+    assert (
+        message in assert_error(client.post("/v1/completions", json=body), 400, "seed")["message"]
+    )
+    chat = {"model": model_id, "messages": CHAT, "seed": seed}
+    assert_error(client.post("/v1/chat/completions", json=chat), 400, "seed")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "param"),
+    [("prompt", "ab\ud800", "prompt"), ("prompt", ["\ud800"], "prompt.0"),
+     ("stop", "\ud800", "stop"), ("stop", ["ok", "\udfff"], "stop.1"),
+     ("user", "\ud800", "user"), ("prompt_cache_key", "\ud800", "prompt_cache_key"),
+     ("model", "\ud800", "model")],
+)  # fmt: skip
+def test_lone_surrogates_in_a_completion_are_400(
+    client: httpx.Client, model_id: str, field: str, value: Any, param: str
+) -> None:
+    body = {"model": model_id, "prompt": "hello", field: value}
+    err = assert_error(post_raw(client, "/v1/completions", body), 400, param)
+    assert "surrogate" in err["message"]
+
+
+@pytest.mark.parametrize(
+    ("message", "extra", "param"),
+    [({"role": "user", "content": "\ud800"}, {}, "messages.0.content"),
+     ({"role": "user", "content": [{"type": "text", "text": "a\ud800"}]}, {},
+      "messages.0.content.0.text"),
+     ({"role": "user", "content": "hi", "name": "\ud800"}, {}, "messages.0.name"),
+     ({"role": "user", "content": "hi"}, {"user": "\ud800"}, "user"),
+     ({"role": "user", "content": "hi"}, {"stop": ["\ud800"]}, "stop.0"),
+     ({"role": "user", "content": "hi"}, {"chat_template": "\ud800"}, "chat_template")],
+)  # fmt: skip
+def test_lone_surrogates_in_a_chat_are_400(
+    client: httpx.Client, model_id: str, message: dict[str, Any], extra: dict[str, Any], param: str
+) -> None:
+    body = {"model": model_id, "messages": [message], **extra}
+    err = assert_error(post_raw(client, "/v1/chat/completions", body), 400, param)
+    assert "surrogate" in err["message"]
+
+
+def test_a_surrogate_pair_is_text(client: httpx.Client, model_id: str) -> None:
+    # "\ud83d\ude00" is one character (U+1F600) in JSON; only an unpaired half is refused.
+    body = {"model": model_id, "prompt": "hi", "stop": "\U0001f600", "n": 2}
+    text = json.dumps(body)
+    assert "\\ud83d\\ude00" in text
+    resp = client.post(
+        "/v1/completions", content=text, headers={"content-type": "application/json"}
+    )
+    assert_error(resp, 400, "n")  # validation got past the stop string
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("stop", 5), ("stop", [5]), ("stop", ["a", None]), ("stop", [f"s{i}" for i in range(17)]),
+     ("temperature", "hot"), ("temperature", -0.5), ("temperature", True), ("top_p", 1.5),
+     ("top_p", "1"), ("max_tokens", True), ("max_tokens", 2.0), ("n", "1"), ("n", 0),
+     ("user", 5), ("prompt_cache_key", ["k"]), ("stream_options", 5)],
+)  # fmt: skip
+def test_bad_sampling_values_are_400(
+    client: httpx.Client, model_id: str, field: str, value: Any
+) -> None:
+    body = {"model": model_id, "prompt": "hello", field: value}
+    err = assert_error(client.post("/v1/completions", json=body), 400)
+    assert err["param"] is not None and err["param"].split(".")[0] == field
+    chat = {"model": model_id, "messages": CHAT, field: value}
+    err = assert_error(client.post("/v1/chat/completions", json=chat), 400)
+    assert err["param"] is not None and err["param"].split(".")[0] == field
+
+
+def test_sixteen_stop_sequences_are_allowed(client: httpx.Client, model_id: str) -> None:
+    # 16 passes stop's check, so the request fails later, on n.
+    body = {"model": model_id, "prompt": "hi", "stop": [f"s{i}" for i in range(16)], "n": 2}
+    assert_error(client.post("/v1/completions", json=body), 400, "n")
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"5", b'"a string"', b"null", b"[1, 2]", b"true", b"", b"{", b"{\"model\": NaN",
+     b"\xff\xfe{}", b"{\"model\": \"\xc3\"}"],
+)  # fmt: skip
+def test_a_body_that_is_not_a_json_object_is_400(client: httpx.Client, content: bytes) -> None:
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        resp = client.post(path, content=content, headers={"content-type": "application/json"})
+        assert assert_error(resp, 400)["type"] == "invalid_request_error"
 
 
 def test_unknown_route_and_wrong_method(client: httpx.Client) -> None:
@@ -203,8 +310,12 @@ def test_health_is_503_without_workers(client: httpx.Client) -> None:
 
 def test_health_lists_live_workers(client: httpx.Client, redis_url: str) -> None:
     r = redis.Redis.from_url(redis_url)
-    r.sadd(keys.workers_roster(), "w1", "gone")
+    r.sadd(keys.workers_roster(), "w1", "gone", "stale")
     r.hset(keys.worker_info("w1"), mapping={"pid": "123", "batch_size": "4"})
+    r.expire(keys.worker_info("w1"), keys.LIVENESS_TTL_S)  # as a worker's heartbeat leaves it
+    # A hash whose last heartbeat is older than DEAD_AFTER_S counts as dead before it expires.
+    r.hset(keys.worker_info("stale"), mapping={"pid": "9"})
+    r.pexpire(keys.worker_info("stale"), liveness.min_alive_pttl_ms() - 500)
     body = client.get("/health").json()
     assert client.get("/health").status_code == 200
     assert body["workers_alive"] == 1
@@ -229,6 +340,7 @@ def _fake_worker(r: redis.Redis, wid: str, alive: bool, counters: dict[str, int]
     if alive:  # a dead worker's info hash (identity, settings, gauges) has expired
         info = {"pid": "1", **gauges, "enabled": "1", "block_size": "16"}
         r.hset(keys.worker_info(wid), mapping=info)
+        r.expire(keys.worker_info(wid), keys.LIVENESS_TTL_S)
     r.hset(keys.worker_cache_counters(wid), mapping=counters)
     if reject:
         last = {f"last_reject_{k}": v for k, v in reject.items()}

@@ -19,7 +19,7 @@ from typing import Any
 import redis
 
 from shared import keys
-from shared.wire import ControlCommand, ControlReply, StreamEvent
+from shared.wire import REDIS_UNAVAILABLE, ControlCommand, ControlReply, StreamEvent
 from worker.broker.intake import JobEnd, JobOutcome, RqIntake, TakenJob
 from worker.broker.metrics_sink import MetricsSink
 from worker.broker.outbox import Outbox
@@ -185,7 +185,7 @@ class WorkerLoop:
         log.warning("lost Redis (%s): dropping %d running request(s), reconnecting", exc,
                     self.engine.active)  # fmt: skip
         self.outbox.abandon()
-        dropped = self.engine.fail_all("the worker lost Redis mid-request")
+        dropped = self.engine.fail_all("the worker lost Redis mid-request", REDIS_UNAVAILABLE)
         delay = RECONNECT_MIN_S
         while self._stop_requests == 0:
             try:

@@ -21,7 +21,7 @@ from router.errors import APIError
 from router.openai_types import ResponseFormat, Usage
 from router.state import RouterState
 from shared.metrics import REQUEST_DECODE_TOK_S, REQUEST_TTFT_MS
-from shared.wire import GenerationRequest, StreamEvent
+from shared.wire import REDIS_UNAVAILABLE, GenerationRequest, StreamEvent
 
 # nginx's code for "client closed request": nobody reads it, but logs should not say 200.
 CLIENT_CLOSED = 499
@@ -66,6 +66,9 @@ def error_for(ev: StreamEvent) -> APIError:
         return APIError(504, ev.error, "server_error", None, "timeout")
     if ev.error_type == "invalid_request_error":
         return APIError(400, ev.error, "invalid_request_error")
+    if ev.error_type == REDIS_UNAVAILABLE:
+        message = f"The pool lost its queue (Redis) during the request; retry shortly: {ev.error}"
+        return APIError(503, message, "server_error", None, REDIS_UNAVAILABLE)
     message = f"The worker failed to generate: {ev.error}" if ev.error else "The worker failed."
     return APIError(500, message, "server_error", None, ev.error_type or None)
 
@@ -149,7 +152,7 @@ async def respond(
     include_usage: bool,
 ) -> Response:
     """Relay a request already admitted and enqueued (admit_and_submit)."""
-    events = state.dispatcher.events(gen.request_id, request.is_disconnected)
+    events = state.dispatcher.events(gen, request.is_disconnected)
     progress = _Progress(gen)
     if not stream:
         async with aclosing(events):

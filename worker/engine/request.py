@@ -57,6 +57,7 @@ class Request:
     finish_reason: str | None = None
     error: str = ""
     error_type: str = ""
+    next_seq: int = 0  # the `seq` of this request's next stream event
 
     @property
     def id(self) -> str:

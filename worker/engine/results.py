@@ -47,6 +47,13 @@ class StepResult:
     prefill_pending: bool = False  # admit: something admitted still has its prefill ahead
 
     def emit(self, request: Request, *events: StreamEvent) -> None:
+        """Queue events for the request's stream, numbered in the order they are emitted."""
+        for event in events:
+            event.seq = request.next_seq
+            request.next_seq += 1
+        self.events.setdefault(request, []).extend(events)
+
+    def _relay(self, request: Request, events: list[StreamEvent]) -> None:
         self.events.setdefault(request, []).extend(events)
 
     def end(self, request: Request) -> None:
@@ -54,7 +61,7 @@ class StepResult:
 
     def merge(self, other: StepResult) -> StepResult:
         for request, events in other.events.items():
-            self.emit(request, *events)
+            self._relay(request, events)  # numbered already
         self.ended.extend(other.ended)
         for name, delta in other.counters.items():
             self.counters[name] = self.counters.get(name, 0) + delta

@@ -1,0 +1,232 @@
+"""The wire decoders over arbitrary input (hypothesis): a message either decodes to an object
+whose every field has its declared type and range, or raises WireError; nothing else escapes,
+so a malformed job or stream entry fails alone instead of killing the process that read it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared.wire import (
+    MAX_SEED,
+    ControlCommand,
+    ControlReply,
+    GenerationRequest,
+    StreamEvent,
+    WireError,
+    pack,
+    unpack,
+)
+
+PROPERTY = settings(max_examples=200, deadline=None)
+
+# What msgpack can carry: ints span int64 and uint64, text has no lone surrogates.
+SCALARS = (
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
+    | st.text(max_size=8) | st.binary(max_size=8)
+)  # fmt: skip
+MSGPACK = st.recursive(
+    SCALARS,
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(st.text(max_size=8) | st.integers(-5, 5), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+VALID_REQUESTS = st.builds(
+    GenerationRequest,
+    request_id=st.text(min_size=1, max_size=16),
+    model=st.text(max_size=16),
+    prompt_tokens=st.lists(st.integers(0, 2**31), min_size=1, max_size=32),
+    max_tokens=st.integers(1, 2**31),
+    temperature=st.floats(0, 2),
+    top_p=st.floats(0, 1, exclude_min=True),
+    seed=st.none() | st.integers(0, MAX_SEED),
+    stop=st.lists(st.text(max_size=8), max_size=16),
+    session_key=st.text(max_size=16),
+    template_signature=st.text(max_size=16),
+    adapter_id=st.text(max_size=16),
+    enqueued_at=st.floats(0, 2e9),
+)
+
+
+def assert_valid_request(req: GenerationRequest) -> None:
+    """Every field has exactly its declared type (no bool for an int) and range."""
+    assert type(req.request_id) is str and req.request_id
+    assert type(req.model) is str
+    assert type(req.prompt_tokens) is list and req.prompt_tokens
+    assert all(type(t) is int and t >= 0 for t in req.prompt_tokens)
+    assert type(req.max_tokens) is int and req.max_tokens >= 1
+    assert type(req.temperature) is float and math.isfinite(req.temperature)
+    assert req.temperature >= 0
+    assert type(req.top_p) is float and 0 < req.top_p <= 1
+    assert req.seed is None or (type(req.seed) is int and 0 <= req.seed <= MAX_SEED)
+    assert type(req.stop) is list and all(type(s) is str for s in req.stop)
+    for name in ("session_key", "template_signature", "adapter_id"):
+        assert type(getattr(req, name)) is str
+    assert type(req.enqueued_at) is float and math.isfinite(req.enqueued_at)
+
+
+def decode_request(data: Any) -> None:
+    try:
+        req = GenerationRequest.from_wire(data)
+    except WireError:
+        return
+    assert_valid_request(req)
+
+
+@st.composite
+def mangled_requests(draw: st.DrawFn) -> dict[str, Any]:
+    """A valid request's wire map with one field replaced by any value, or dropped, or one
+    unknown field added: near misses, which whole-cloth random maps almost never are."""
+    wire = draw(VALID_REQUESTS).to_wire()
+    name = draw(st.sampled_from([*wire, "extra"]))
+    if draw(st.booleans()) and name in wire:
+        del wire[name]
+    else:
+        wire[name] = draw(MSGPACK)
+    return wire
+
+
+@PROPERTY
+@given(MSGPACK)
+def test_request_decoder_takes_any_msgpack_value(data: Any) -> None:
+    decode_request(data)
+
+
+@PROPERTY
+@given(mangled_requests())
+def test_request_decoder_takes_any_near_miss(data: dict[str, Any]) -> None:
+    decode_request(data)
+    decode_request(unpack(pack(data)))
+
+
+@PROPERTY
+@given(VALID_REQUESTS)
+def test_valid_requests_round_trip(req: GenerationRequest) -> None:
+    back = GenerationRequest.from_wire(unpack(pack(req.to_wire())))
+    assert back == req
+    assert_valid_request(back)
+
+
+BASE = GenerationRequest(request_id="r1", model="m", prompt_tokens=[1, 2], max_tokens=4)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("seed", -1), ("seed", MAX_SEED + 1), ("seed", True), ("seed", 1.0),
+     ("temperature", "hot"), ("temperature", -0.1), ("temperature", math.nan),
+     ("temperature", math.inf), ("top_p", 0), ("top_p", 1.5), ("top_p", math.nan),
+     ("max_tokens", 0), ("max_tokens", True), ("max_tokens", 4.0), ("stop", 5), ("stop", [5]),
+     ("stop", "x"), ("prompt_tokens", []), ("prompt_tokens", [1, -1]), ("prompt_tokens", [True]),
+     ("prompt_tokens", [1.0]), ("request_id", ""), ("request_id", 7), ("model", None),
+     ("session_key", b"k"), ("adapter_id", 0), ("enqueued_at", "now"),
+     ("enqueued_at", math.nan)],
+)  # fmt: skip
+def test_each_bad_field_is_a_wire_error_naming_it(field: str, value: Any) -> None:
+    wire = {**BASE.to_wire(), field: value}
+    with pytest.raises(WireError, match=field):
+        GenerationRequest.from_wire(wire)
+
+
+@pytest.mark.parametrize(
+    "data", [None, [], "request", {}, {"request_id": "r"}, {**BASE.to_wire(), 1: 2}]
+)
+def test_non_requests_are_wire_errors(data: Any) -> None:
+    with pytest.raises(WireError):
+        GenerationRequest.from_wire(data)
+
+
+def test_ints_become_floats_where_a_float_is_declared() -> None:
+    req = GenerationRequest.from_wire({**BASE.to_wire(), "temperature": 1, "enqueued_at": 5})
+    assert type(req.temperature) is float and type(req.enqueued_at) is float
+
+
+# --- the small messages: any bytes at all -------------------------------------------------------
+
+
+VALID_EVENTS = st.builds(
+    StreamEvent,
+    kind=st.sampled_from(sorted(StreamEvent.KINDS)),
+    text=st.text(max_size=8),
+    token_ids=st.lists(st.integers(0, 2**31), max_size=4),
+    finish_reason=st.none() | st.sampled_from(["stop", "length"]),
+    prompt_tokens=st.integers(0, 2**31),
+    completion_tokens=st.integers(0, 2**31),
+    cached_tokens=st.integers(0, 2**31),
+    worker_id=st.text(max_size=8),
+    error=st.text(max_size=8),
+    error_type=st.text(max_size=8),
+)
+MESSAGE_TYPES = (StreamEvent, ControlCommand, ControlReply)
+
+
+@st.composite
+def message_bytes(draw: st.DrawFn) -> bytes:
+    """Random bytes, a packed random value, or a valid message's bytes cut short or with one
+    field replaced."""
+    choice = draw(st.sampled_from(["bytes", "value", "cut", "field"]))
+    if choice == "bytes":
+        return draw(st.binary(max_size=64))
+    if choice == "value":
+        return pack(draw(MSGPACK))
+    valid = [
+        draw(VALID_EVENTS),
+        ControlCommand("cache_reset", draw(st.text(max_size=8))),
+        ControlReply(draw(st.text(max_size=8)), "cache_reset", {"freed": 1}),
+    ]
+    wire = dataclasses.asdict(draw(st.sampled_from(valid)))
+    if choice == "cut":
+        raw = pack(wire)
+        return raw[: draw(st.integers(0, len(raw) - 1))]
+    wire[draw(st.sampled_from(sorted(wire)))] = draw(MSGPACK)
+    return pack(wire)
+
+
+def assert_valid_message(msg: Any) -> None:
+    for f in dataclasses.fields(msg):
+        assert type(getattr(msg, f.name)) in type(msg).WIRE_TYPES[f.name], f.name
+    if isinstance(msg, StreamEvent):
+        assert msg.kind in StreamEvent.KINDS and all(type(t) is int for t in msg.token_ids)
+    if isinstance(msg, ControlCommand):
+        assert msg.kind in ControlCommand.KINDS
+
+
+@PROPERTY
+@given(message_bytes())
+def test_message_decoders_take_any_bytes(data: bytes) -> None:
+    for cls in MESSAGE_TYPES:
+        try:
+            msg = cls.from_wire(data)
+        except WireError:
+            continue
+        assert_valid_message(msg)
+
+
+@PROPERTY
+@given(VALID_EVENTS)
+def test_valid_events_round_trip(ev: StreamEvent) -> None:
+    assert StreamEvent.from_wire(ev.to_wire()) == ev
+
+
+@pytest.mark.parametrize("data", [None, "text", 5, b"", b"\xc1", b"\x91" * 3000])
+def test_non_msgpack_is_a_wire_error(data: Any) -> None:
+    for cls in MESSAGE_TYPES:
+        with pytest.raises(WireError):
+            cls.from_wire(data)
+
+
+def test_control_command_kind_is_checked() -> None:
+    with pytest.raises(WireError, match="kind"):
+        ControlCommand.from_wire(pack({"kind": "shutdown", "reply_id": "r"}))
+
+
+def test_wire_types_name_every_field() -> None:
+    for cls in (GenerationRequest, *MESSAGE_TYPES):
+        assert set(cls.WIRE_TYPES) == {f.name for f in dataclasses.fields(cls)}, cls.__name__
