@@ -53,8 +53,8 @@ async def _build_state(settings: Settings) -> RouterState:
     # Loading a tokenizer reads files and builds Rust objects: keep it off the event loop.
     tokenizer = await anyio.to_thread.run_sync(load_tokenizer, model_dir)
     model_id = model_id_for(model_dir, settings.model.id)
-    aredis = async_client(settings.redis.url)
-    sync_redis = sync_client(settings.redis.url)
+    aredis = async_client(settings.redis)
+    sync_redis = sync_client(settings.redis)
     try:
         await aredis.ping()
     except redis.RedisError as exc:
@@ -62,7 +62,7 @@ async def _build_state(settings: Settings) -> RouterState:
         sync_redis.close()
         raise RuntimeError(f"cannot reach Redis at {settings.redis.url}: {exc}") from exc
     queue = build_queue(sync_redis)
-    hub = StreamHub(settings.redis.url)
+    hub = StreamHub(settings.redis)
     await hub.start()
     dispatcher = Dispatcher(
         sync_redis=sync_redis,

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import redis
 
 from shared import keys
+from shared.config import RedisConfig
 from shared.redis_clients import async_client
 
 log = logging.getLogger(__name__)
@@ -38,10 +39,11 @@ class _Subscription:
 
 
 class StreamHub:
-    def __init__(self, url: str) -> None:
-        # The blocking read has a connection of its own; wake-ups go through another.
-        self._reader = async_client(url)
-        self._writer = async_client(url)
+    def __init__(self, config: RedisConfig) -> None:
+        # The blocking read has a client of its own (its block is far below the client's stall
+        # bound, so it never times out early); wake-ups go through another.
+        self._reader = async_client(config)
+        self._writer = async_client(config)
         self._wake_key = keys.router_wake(uuid.uuid4().hex)
         self._wake_last: bytes | str = "$"
         self._subs: dict[str, _Subscription] = {}

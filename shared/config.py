@@ -26,6 +26,11 @@ class _Section(BaseModel):
 
 class RedisConfig(_Section):
     url: str = ""
+    # Longer than this without an answer from Redis (a stall, a partition) and the command
+    # fails: the requests it carried end with a clear error instead of waiting forever.
+    stall_timeout_s: float = Field(30.0, gt=0)
+    # Connections per client pool; a caller past it waits for one (up to the stall bound).
+    max_connections: int = Field(512, ge=8)
 
     @field_validator("url")
     @classmethod
@@ -123,6 +128,8 @@ class Settings(_Section):
 # Environment variable -> (section, key). The prompt-cache names are the spec's interface.
 ENV_VARS: dict[str, tuple[str, str]] = {
     "REDIS_URL": ("redis", "url"),
+    "MLXCEL_REDIS_STALL_TIMEOUT_S": ("redis", "stall_timeout_s"),
+    "MLXCEL_REDIS_MAX_CONNECTIONS": ("redis", "max_connections"),
     "MLXCEL_HOST": ("router", "host"),
     "MLXCEL_PORT": ("router", "port"),
     "MLXCEL_ROUTER_PROCESSES": ("router", "processes"),

@@ -77,7 +77,7 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
 
         cpu_ops.install(model)
     prompt_cache, settings_gauges = _prompt_cache(settings, model, facts.model_id, worker_id)
-    conn = sync_client(settings.redis.url)
+    conn = sync_client(settings.redis)
     info = {
         "worker_id": worker_id, "model": facts.model_id, "pid": str(os.getpid()),
         "host": socket.gethostname(), "started_at": f"{time.time():.3f}",

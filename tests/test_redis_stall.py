@@ -1,0 +1,148 @@
+"""Redis paused for real (SIGSTOP, then SIGCONT): no write is applied twice, every answer is
+the model's, and every key written during the stall still expires.
+
+First the clients alone (a stall shorter than the bound waits; a longer one fails the command
+and does not send it again), then a whole pool with requests in flight and sent mid-stall."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+from rq.registry import StartedJobRegistry
+from transformers import AutoTokenizer
+
+from shared import keys
+from shared.config import RedisConfig
+from shared.redis_clients import sync_client
+from shared.redis_server import EmbeddedRedis, start_redis
+from tests.pool_fixture import running_pool, sse_events
+
+STREAM = "mlxcel:req:stall-test:stream"
+
+
+@contextmanager
+def paused(pid: int, seconds: float) -> Iterator[None]:
+    """SIGSTOP the process now and SIGCONT it `seconds` later, from a thread."""
+    os.kill(pid, signal.SIGSTOP)
+    timer = threading.Timer(seconds, os.kill, (pid, signal.SIGCONT))
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.join()
+        os.kill(pid, signal.SIGCONT)
+
+
+@pytest.fixture
+def own_redis() -> Iterator[EmbeddedRedis]:
+    server = start_redis()  # its own server: pausing it stalls no other test
+    yield server
+    server.stop()
+
+
+def test_a_stall_shorter_than_the_bound_is_waited_out_once(own_redis: EmbeddedRedis) -> None:
+    client = sync_client(RedisConfig(url=own_redis.url, stall_timeout_s=4.0))
+    client.ping()
+    with paused(own_redis.process.pid, 1.5):
+        started = time.monotonic()
+        with client.pipeline(transaction=False) as pipe:
+            pipe.xadd(STREAM, {"m": "1"})
+            pipe.expire(STREAM, 60)
+            pipe.execute()
+        waited = time.monotonic() - started
+    assert 1.0 < waited < 4.0
+    assert client.xlen(STREAM) == 1 and 0 < client.ttl(STREAM) <= 60
+
+
+def test_a_stall_past_the_bound_fails_the_command_and_never_resends_it(
+    own_redis: EmbeddedRedis,
+) -> None:
+    client = sync_client(RedisConfig(url=own_redis.url, stall_timeout_s=1.0))
+    client.ping()
+    with (
+        paused(own_redis.process.pid, 3.0),
+        pytest.raises(redis.TimeoutError),
+        client.pipeline(transaction=False) as pipe,
+    ):
+        pipe.xadd(STREAM, {"m": "1"})
+        pipe.expire(STREAM, 60)
+        pipe.execute()
+    # Whether Redis applied what it had read before the client gave up, it got it once only.
+    reader = redis.Redis.from_url(own_redis.url)
+    time.sleep(1.0)
+    assert reader.xlen(STREAM) <= 1
+    assert reader.xlen(STREAM) == 0 or 0 < reader.ttl(STREAM) <= 60
+    assert client.ping()  # the client reconnects once Redis answers again
+
+
+# --- a whole pool through a stall -----------------------------------------------------------------
+
+MAX_TOKENS = 48
+PROMPTS = ["The quick brown fox", "Once upon a time", "Redis is an in-memory", "Dear diary,",
+           "The capital of France is", "In the beginning"]  # fmt: skip
+
+
+async def _complete(client: httpx.AsyncClient, model: str, prompt: str) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    resp = await client.post("/v1/completions", json=body)
+    if resp.status_code != 200:
+        return {"status": resp.status_code, "body": resp.text}
+    chunks = sse_events(resp)
+    text = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
+    errors = [c["error"] for c in chunks if "error" in c]
+    usage = chunks[-1].get("usage") if chunks else None
+    return {"status": 200, "text": text, "errors": errors, "usage": usage,
+            "text_chunks": sum(1 for c in chunks if c.get("choices") and c["choices"][0]["text"])}
+
+
+def test_a_pool_rides_out_a_redis_stall_with_every_answer_the_models(
+    tiny_model_dir: Path, tmp_path: Path, mlx_reference
+) -> None:
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir), local_files_only=True)
+    # The stall is longer than redis-py's default socket timeout (5 s), which the old clients
+    # then retried: the pipeline was applied twice and text came out doubled.
+    stall_s = 7.0
+    with running_pool(tiny_model_dir, tmp_path) as pool:
+        model = httpx.get(f"{pool.url}/health", timeout=10).json()["model"]
+        r = redis.Redis.from_url(pool.redis_url)
+
+        async def scenario() -> list[dict]:
+            async with httpx.AsyncClient(base_url=pool.url, timeout=120) as client:
+                before = [asyncio.create_task(_complete(client, model, p)) for p in PROMPTS[:3]]
+                await asyncio.sleep(0.3)  # these are mid-stream when Redis stops
+                pid = pool.pid("redis")
+                os.kill(pid, signal.SIGSTOP)
+                try:
+                    during = [asyncio.create_task(_complete(client, model, p))
+                              for p in PROMPTS[3:]]  # fmt: skip
+                    await asyncio.sleep(stall_s)
+                finally:
+                    os.kill(pid, signal.SIGCONT)
+                return await asyncio.gather(*before, *during)
+
+        results = asyncio.run(scenario())
+        for prompt, res in zip(PROMPTS, results, strict=True):
+            assert res["status"] == 200, res
+            assert res["errors"] == [], res
+            want_text, want_n = mlx_reference.run(tok.encode(prompt), MAX_TOKENS)
+            assert res["text"] == want_text, prompt
+            assert res["usage"]["completion_tokens"] == want_n
+            assert res["text_chunks"] <= want_n  # no chunk relayed twice
+        time.sleep(1.0)  # the worker's last publish (job endings) lands
+        # Every request key written during the stall still expires.
+        assert [k for k in r.scan_iter("mlxcel:req:*") if r.ttl(k) == -1] == []
+        # rq tells the truth: every job finished, none failed or left started by the stall.
+        statuses = [r.hget(k, "status") for k in r.scan_iter("rq:job:*")]
+        assert statuses and set(statuses) == {b"finished"}
+        assert StartedJobRegistry(keys.SHARED_QUEUE, connection=r).count == 0
