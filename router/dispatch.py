@@ -255,6 +255,10 @@ class Dispatcher:
                 failure="the job no longer exists (Redis lost it, or it expired unstarted)",
                 failure_type=REDIS_UNAVAILABLE,
             )
+        except redis.RedisError:
+            raise
+        except Exception as exc:  # a job hash rq cannot load (written by hand, not by us)
+            return _JobState(failure=f"the job's record is unreadable: {exc}")
         if status == JobStatus.FINISHED:
             return _JobState(finished=True)
         if status in (JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED):

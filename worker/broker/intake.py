@@ -24,17 +24,18 @@ from rq import Queue
 from rq.exceptions import DequeueTimeout
 from rq.executions import Execution
 from rq.job import Job, JobStatus
-from rq.registry import CanceledJobRegistry, clean_registries
+from rq.registry import CanceledJobRegistry, FailedJobRegistry, clean_registries
 from rq.results import Result
-from rq.utils import now
+from rq.utils import current_timestamp, now, utcformat
 
 from shared import keys
-from shared.wire import GenerationRequest, MsgpackSerializer, WireError
+from shared.wire import STREAM_FIELD, GenerationRequest, MsgpackSerializer, StreamEvent
 from worker.broker.presence import EXECUTION_TTL_S, WorkerPresence
 
 log = logging.getLogger("mlxcel.worker.intake")
 
 RESULT_TTL_S = 600
+FAILURE_TTL_S = 3600
 # A burst's jobs arrive a few ms apart (the router tokenizes and enqueues each): a pause this long
 # ends the burst.
 GATHER_GAP_S = 0.008
@@ -142,22 +143,46 @@ class RqIntake:
         return taken
 
     def _dequeue(self, timeout: int | None) -> tuple[Job, Queue] | None:
+        """The next job, or None. A job rq itself cannot load (a hand-made hash: a bad date, an
+        unknown status) is failed here and counts as nothing taken; only Redis errors raise."""
         try:
             return Queue.dequeue_any(
                 self.queues, timeout, connection=self.connection, serializer=MsgpackSerializer
             )
         except DequeueTimeout:
             return None
+        except redis.RedisError:
+            raise
+        except Exception as exc:  # rq attaches the popped job's id and queue to the error
+            job_id, queue = getattr(exc, "job_id", None), getattr(exc, "queue", None)
+            log.warning("job %s: rq cannot load it: %s: %s", job_id, type(exc).__name__, exc)
+            if isinstance(job_id, str) and isinstance(queue, Queue):
+                self._fail_unloadable(job_id, queue, f"{type(exc).__name__}: {exc}")
+            return None
 
     def _start(self, taken: list[tuple[Job, Queue]]) -> list[TakenJob]:
+        """Mark each job started (an Execution in the StartedJobRegistry, status started), in
+        one pipeline. A queue entry whose job is no longer queued (an enqueue applied twice,
+        already taken elsewhere) is dropped, so no job runs twice."""
         out: list[TakenJob] = []
         with self.connection.pipeline(transaction=False) as pipe:
             for job, queue in taken:
-                execution = Execution.create(
-                    job, EXECUTION_TTL_S, pipeline=pipe, worker_name=self.name
-                )
-                job.prepare_for_execution(self.name, pipeline=pipe)
                 pipe.lrem(queue.intermediate_queue_key, 0, job.id)
+                if job.get_status(refresh=False) != JobStatus.QUEUED:
+                    log.warning("job %s is %s, not queued: a duplicate entry, dropped", job.id,
+                                job.get_status(refresh=False))  # fmt: skip
+                    continue
+                try:
+                    execution = Execution.create(
+                        job, EXECUTION_TTL_S, pipeline=pipe, worker_name=self.name
+                    )
+                    job.prepare_for_execution(self.name, pipeline=pipe)
+                except redis.RedisError:
+                    raise
+                except Exception as exc:  # a job whose fields rq loads but cannot use
+                    log.warning("job %s: cannot start it: %s", job.id, exc)
+                    self._fail_unloadable(job.id, queue, f"{type(exc).__name__}: {exc}", pipe)
+                    continue
                 out.append(self._parse(job, execution))
             pipe.execute()
         return out
@@ -166,9 +191,27 @@ class RqIntake:
     def _parse(job: Job, execution: Execution) -> TakenJob:
         try:
             request = GenerationRequest.from_wire(job.kwargs.get("request"))
-        except (WireError, AttributeError, TypeError, ValueError) as exc:
+        except Exception as exc:  # rq's deserializer or our decoder: any payload we did not write
             return TakenJob(job, execution, None, f"malformed job payload: {exc}")
         return TakenJob(job, execution, request)
+
+    def _fail_unloadable(self, job_id: str, queue: Queue, error: str, pipe: Any = None) -> None:
+        """Fail a job rq cannot load as a Job: its hash says failed, it joins the queue's
+        FailedJobRegistry, and its stream (if a router waits on one) gets the error."""
+        p = pipe if pipe is not None else self.connection.pipeline(transaction=False)
+        job_key = Job.key_for(job_id)
+        p.hset(job_key, mapping={"status": JobStatus.FAILED.value, "ended_at": utcformat(now())})
+        p.expire(job_key, FAILURE_TTL_S)
+        registry = FailedJobRegistry(queue.name, connection=self.connection,
+                                     serializer=MsgpackSerializer)  # fmt: skip
+        p.zadd(registry.key, {job_id: current_timestamp() + FAILURE_TTL_S})
+        p.lrem(queue.intermediate_queue_key, 0, job_id)
+        event = StreamEvent(kind="error", error=f"malformed job: {error}",
+                            error_type="invalid_request_error")  # fmt: skip
+        p.xadd(keys.request_stream(job_id), {STREAM_FIELD: event.to_wire()})
+        p.expire(keys.request_stream(job_id), keys.REQUEST_TTL_S)
+        if pipe is None:
+            p.execute()
 
     # -- ending jobs: each writes into the caller's pipeline (the publisher's per-step one) --------
 
