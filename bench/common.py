@@ -32,9 +32,9 @@ if str(REPO) not in sys.path:  # `python bench/x.py` puts bench/ first, not the 
 import aiohttp  # noqa: E402
 import httpx  # noqa: E402
 
+from devmodel import corpus  # noqa: E402
 from shared.redis_server import free_port  # noqa: E402
 from tests.pool_fixture import running_pool  # noqa: E402
-from worker import corpus  # noqa: E402
 
 BENCH_CACHE_DIR = REPO / ".cache" / "bench"
 LOCK_HINT = "run under `flock /tmp/mlxcel-bench.lock ...` (shared 2-core machine)"

@@ -1,4 +1,4 @@
-"""worker.blas: OpenBLAS preload must happen before mlx.core is imported.
+"""worker.mlx_cpu.blas: OpenBLAS preload must happen before mlx.core is imported.
 
 Each case runs in a fresh interpreter, because whether mlx is already imported is the point.
 """

@@ -1,6 +1,6 @@
 """The function name rq records for generation jobs (shared.wire.JOB_FUNC).
 
-The batching worker (worker.intake) runs these jobs in its scheduler and never calls this. It
+The batching worker (worker.broker.intake) runs these jobs in its engine and never calls this. It
 exists so that a job picked up by a stock rq worker by mistake fails loudly instead of hanging.
 """
 
