@@ -25,7 +25,12 @@ from rq.job import Job, JobStatus
 
 from router.stream_hub import Entry, StreamHub
 from shared import keys
-from shared.liveness import DEAD_AFTER_S, DEAD_CONFIRMATIONS, heartbeat_age_s
+from shared.liveness import (
+    DEAD_AFTER_S,
+    DEAD_CONFIRMATIONS,
+    WORKER_LOST_MARK,
+    heartbeat_age_s,
+)
 from shared.wire import (
     JOB_FUNC,
     REDIS_UNAVAILABLE,
@@ -262,7 +267,10 @@ class Dispatcher:
         if status == JobStatus.FINISHED:
             return _JobState(finished=True)
         if status in (JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED):
-            return _JobState(failure=_failure_text(job, status))
+            text = _failure_text(job, status)
+            if WORKER_LOST_MARK in text:  # a live worker reaped it: its worker died, not it
+                return _JobState(lost=text)
+            return _JobState(failure=text)
         if status != JobStatus.STARTED:
             return _JobState()
         # The worker that runs it: named by its start event, else by rq's record of the job.

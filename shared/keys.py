@@ -17,6 +17,7 @@ backwards and a dead worker still counts.
 Two hashes per worker on purpose: the pool-wide stats read touches each worker twice, in one Lua
 script (Redis time there grows with the number of calls).
 | `mlxcel:worker:<wid>:control` | list | router pushes, worker pops | CONTROL_TTL_S |
+| `mlxcel:worker:<wid>:reaped` | string | the worker that failed a dead one's jobs | REAPED_TTL_S |
 | `mlxcel:control:<reply_id>:reply` | list | worker pushes, router pops | CONTROL_TTL_S |
 | `mlxcel:router:<hub_id>:wake` | stream | one router process (its stream hub) | REQUEST_TTL_S |
 """
@@ -33,6 +34,8 @@ REQUEST_TTL_S = 600
 LIVENESS_TTL_S = 15
 HEARTBEAT_INTERVAL_S = 1.0
 CONTROL_TTL_S = 60
+# A dead worker's reaped claim outlives any restart delay; the worker clears it when it starts.
+REAPED_TTL_S = 3600
 
 # rq queue names (rq builds `rq:queue:<name>` itself).
 SHARED_QUEUE = "mlxcel"
@@ -76,6 +79,12 @@ def worker_cache_counters(worker_id: str) -> str:
     return f"{PREFIX}:worker:{worker_id}:cache:counters"
 
 
+def worker_reaped(worker_id: str) -> str:
+    """Set by the one live worker that failed a dead worker's running jobs (its claim); the
+    worker deletes it when it starts again."""
+    return f"{PREFIX}:worker:{worker_id}:reaped"
+
+
 def worker_control(worker_id: str) -> str:
     return f"{PREFIX}:worker:{worker_id}:control"
 
@@ -115,7 +124,7 @@ def parse_key(key: str) -> ParsedKey:
         part = ":".join(parts[3:])
         allowed = {
             "req": {"stream", "cancel"},
-            "worker": {"info", "cache:counters", "control"},
+            "worker": {"info", "cache:counters", "control", "reaped"},
             "control": {"reply"},
             "router": {"wake"},
         }[parts[1]]

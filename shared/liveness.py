@@ -31,3 +31,8 @@ def heartbeat_age_s(pttl_ms: int) -> float | None:
 
 def is_alive(pttl_ms: int) -> bool:
     return pttl_ms > min_alive_pttl_ms()
+
+
+# Starts the failure text of a job whose worker died mid-run, as the reaper records it in rq: the
+# router reads it as "worker lost" (the request may run again), not as the request's own failure.
+WORKER_LOST_MARK = "worker lost:"

@@ -100,7 +100,7 @@ def test_mlxcel_keys_parse_back(name: str) -> None:
         "control": {"reply": keys.control_reply},
         "router": {"wake": keys.router_wake},
         "worker": {"info": keys.worker_info, "cache:counters": keys.worker_cache_counters,
-                   "control": keys.worker_control},
+                   "control": keys.worker_control, "reaped": keys.worker_reaped},
     }  # fmt: skip
     if parsed.kind == "workers":
         assert key == keys.workers_roster()

@@ -25,6 +25,7 @@ from worker.broker.metrics_sink import MetricsSink
 from worker.broker.outbox import Outbox
 from worker.broker.presence import WorkerPresence
 from worker.broker.publisher import Liveness, Publisher, PublishResult, StepWrites
+from worker.broker.reaper import REAP_INTERVAL_S, Reaper
 from worker.engine.engine import Engine
 from worker.engine.request import RequestStatus
 from worker.engine.results import StepResult
@@ -51,6 +52,7 @@ class WorkerLoop:
     intake: RqIntake
     publisher: Publisher
     outbox: Outbox
+    reaper: Reaper
     metrics: MetricsSink
     static_gauges: dict[str, Any]
     # When idle, how long a burst of arrivals may be gathered to prefill as one batch.
@@ -58,6 +60,7 @@ class WorkerLoop:
     _stop_requests: int = 0
     _queued: int = 0  # jobs waiting in this worker's queues, as the last publish read
     _next_maintenance: float = 0.0
+    _next_reap: float = 0.0
 
     def install_signal_handlers(self) -> None:
         def ask_stop(signum: int, _frame: Any) -> None:
@@ -161,14 +164,19 @@ class WorkerLoop:
         if self.presence.beat_due(now):
             writes.liveness = Liveness(self._gauges(), [req.ticket for req in running])
         self.outbox.send(writes)
-        if now >= self._next_maintenance:  # after this step's publish, on the same thread
-            self._next_maintenance = now + MAINTENANCE_INTERVAL_S
+        if now >= self._next_reap:  # after this step's publish, on the same thread
+            self._next_reap = now + REAP_INTERVAL_S
             self.outbox.after(self._maintain)
 
     def _maintain(self) -> None:
+        """Peers' deaths every REAP_INTERVAL_S, rq's own registry cleaning less often."""
         try:
-            self.intake.clean_registries()
-        except redis.RedisError:
+            self.reaper.reap()
+            now = time.monotonic()
+            if now >= self._next_maintenance:
+                self._next_maintenance = now + MAINTENANCE_INTERVAL_S
+                self.intake.clean_registries()
+        except Exception:  # a chore on the publisher thread: log it, never lose it silently
             log.warning("rq registry maintenance failed; retrying later", exc_info=True)
 
     def _gauges(self) -> dict[str, Any]:

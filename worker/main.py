@@ -61,6 +61,7 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
     from worker.broker.outbox import Outbox
     from worker.broker.presence import WorkerPresence
     from worker.broker.publisher import Publisher
+    from worker.broker.reaper import Reaper
     from worker.engine.engine import Engine
     from worker.loop import WorkerLoop
 
@@ -102,6 +103,7 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
         intake=intake,
         publisher=publisher,
         outbox=Outbox(publisher),
+        reaper=Reaper(presence, intake),
         metrics=MetricsSink(),
         static_gauges=settings_gauges,
         admission_window_s=settings.worker.admission_window_ms / 1000,

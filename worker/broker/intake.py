@@ -215,15 +215,16 @@ class RqIntake:
 
     # -- ending jobs: each writes into the caller's pipeline (the publisher's per-step one) --------
 
-    def end(self, pipe: Any, end: JobEnd) -> None:
-        """Record a job's end in rq: its status, its Result, the matching registry."""
+    def end(self, pipe: Any, end: JobEnd, count: bool = True) -> None:
+        """Record a job's end in rq: its status, its Result, the matching registry; `count`:
+        also in this worker's own job counts (not for a dead peer's job the reaper ends)."""
         job, execution = end.taken.job, end.taken.execution
         job.ended_at = now()
         execution.delete(job, pipe)  # leaves the StartedJobRegistry
-        if job.started_at is not None:  # rq-dashboard shows the worker's total working time
+        if count and job.started_at is not None:  # rq-dashboard shows total working time
             self.presence.increment_total_working_time(job.ended_at - job.started_at, pipe)
         stamps = {
-            "worker_name": self.name,
+            "worker_name": execution.worker_name or self.name,
             "pipeline": pipe,
             "execution_id": execution.id,
             "execution_started_at": execution.created_at,
@@ -235,14 +236,16 @@ class RqIntake:
             Result.create(job, Result.Type.SUCCESSFUL, RESULT_TTL_S, end.result, **stamps)
             job.finished_job_registry.add(job, RESULT_TTL_S, pipe)
             job.cleanup(RESULT_TTL_S, pipeline=pipe, remove_from_queue=False)
-            self.presence.increment_successful_job_count(pipeline=pipe)
+            if count:
+                self.presence.increment_successful_job_count(pipeline=pipe)
         elif end.outcome is JobOutcome.FAILED:
             job.set_status(JobStatus.FAILED, pipeline=pipe)
             job.failed_job_registry.add(
                 job, ttl=job.failure_ttl, exc_string=end.error, pipeline=pipe
             )
             Result.create_failure(job, job.failure_ttl, end.error, **stamps)
-            self.presence.increment_failed_job_count(pipe)
+            if count:
+                self.presence.increment_failed_job_count(pipe)
         else:
             job.set_status(JobStatus.CANCELED, pipeline=pipe)
             CanceledJobRegistry(

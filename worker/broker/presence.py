@@ -58,7 +58,7 @@ class WorkerPresence(SimpleWorker):
         """Claim the worker id, write the liveness hash, then rq's birth (IDLE)."""
         self._claim()
         with self.connection.pipeline(transaction=False) as pipe:
-            pipe.delete(self._k_info)
+            pipe.delete(self._k_info, keys.worker_reaped(self.worker_id))
             self._write_liveness(pipe, gauges)
             pipe.execute()
         self._retire_stale_record()
@@ -106,7 +106,8 @@ class WorkerPresence(SimpleWorker):
     def beat(self, pipe: Any, gauges: dict[str, Any], running: list[Any]) -> None:
         """rq's heartbeat, each running job's execution heartbeat, and the liveness hash with
         the current gauges, in the caller's pipeline."""
-        self.heartbeat(pipeline=pipe)
+        # rq's record lives as long as the liveness hash: `rq info` drops a dead worker with it.
+        self.heartbeat(keys.LIVENESS_TTL_S, pipeline=pipe)
         for taken in running:
             taken.execution.heartbeat(
                 taken.job.started_job_registry, EXECUTION_TTL_S, pipeline=pipe

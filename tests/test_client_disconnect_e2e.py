@@ -1,0 +1,64 @@
+"""A client that leaves is let go within a step, streaming or not: its job is cancelled in rq
+and the worker stops generating for it, instead of running to max_tokens for nobody.
+Real pool (embedded Redis, router, one worker), real HTTP clients that hang up."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from rq.job import Job
+from rq.registry import StartedJobRegistry
+
+from shared import keys
+from shared.wire import MsgpackSerializer
+from tests.pool_fixture import running_pool, wait_for
+
+KW = {"serializer": MsgpackSerializer}
+# Far more than the worker makes before the client hangs up (this prompt never reaches EOS).
+MAX_TOKENS = 1900
+
+
+@pytest.fixture(scope="module")
+def pool(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    with running_pool(tiny_model_dir, tmp_path_factory.mktemp("disconnect")) as p:
+        yield p
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_hangs_up_is_let_go(pool: Any, stream: bool) -> None:
+    r = redis.Redis.from_url(pool.redis_url)
+    model = httpx.get(f"{pool.url}/health", timeout=10).json()["model"]
+    body = {"model": model, "prompt": "The quick brown fox", "max_tokens": MAX_TOKENS,
+            "temperature": 0, "stream": stream}  # fmt: skip
+    started = StartedJobRegistry(keys.SHARED_QUEUE, connection=r, **KW)
+
+    def impatient_client() -> None:
+        # Non-streaming: it gives up waiting for the body; streaming: it reads a chunk and
+        # hangs up. Either way the connection closes while the worker is still generating.
+        with httpx.Client(timeout=httpx.Timeout(10, read=0.25)) as client:
+            try:
+                with client.stream("POST", f"{pool.url}/v1/completions", json=body) as resp:
+                    next(resp.iter_bytes())
+            except httpx.ReadTimeout:
+                pass
+
+    thread = threading.Thread(target=impatient_client)
+    thread.start()
+    job_id = wait_for(lambda: next(iter(started.get_job_ids()), None), 10, "its job started")
+    thread.join(30)
+    hung_up = time.monotonic()
+    job = Job.fetch(job_id, connection=r, **KW)
+    wait_for(lambda: job.get_status() in ("canceled", "finished"), 30, "its job to end")
+    assert job.get_status() == "canceled", (job.get_status(), time.monotonic() - hung_up)
+    # Let go within a step or two of the router noticing, not after MAX_TOKENS tokens.
+    assert time.monotonic() - hung_up < 3
+    assert job.id not in started.get_job_ids()
+    tokens = wait_for(lambda: int(r.hget(keys.worker_cache_counters("w1"), "completion_tokens")
+                                  or 0), 10, "counters")  # fmt: skip
+    assert tokens < MAX_TOKENS

@@ -1,0 +1,108 @@
+"""The reaper: a live worker fails a dead peer's running jobs in rq as soon as the death is sure.
+
+rq alone learns of a dead worker only when that worker's executions stop heartbeating (their
+TTL, EXECUTION_TTL_S, has to outlast any Redis stall), so `rq info` would call its jobs started
+for a minute or more. Every live worker looks at its peers' heartbeats (shared.liveness) on each
+pass; a peer seen dead on DEAD_CONFIRMATIONS passes in a row is reaped once, by whichever live
+worker claims it first: its running jobs are failed (status, FailedJobRegistry, a Result whose
+text starts with WORKER_LOST_MARK, so the router may still run the request again) and its rq
+registration is retired. No stream event is written: the router decides what the client sees.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import redis
+from rq import SimpleWorker
+from rq.executions import Execution
+from rq.job import Job, JobStatus
+from rq.registry import StartedJobRegistry
+
+from shared import keys
+from shared.liveness import DEAD_CONFIRMATIONS, WORKER_LOST_MARK, heartbeat_age_s, is_alive
+from shared.wire import MsgpackSerializer
+from worker.broker.intake import JobEnd, JobOutcome, RqIntake, TakenJob
+from worker.broker.presence import WorkerPresence
+
+log = logging.getLogger("mlxcel.worker.reaper")
+
+# How often a worker looks at its peers' heartbeats (each pass is one pipeline of PTTLs).
+REAP_INTERVAL_S = 1.0
+
+
+class Reaper:
+    def __init__(self, presence: WorkerPresence, intake: RqIntake) -> None:
+        self.presence = presence
+        self.intake = intake
+        self.r: redis.Redis = presence.connection
+        self._suspects: dict[str, int] = {}  # peer id -> passes in a row it looked dead
+
+    def reap(self) -> list[str]:
+        """One pass; the ids of the jobs it failed."""
+        peers = sorted(
+            w for w in (m.decode() for m in self.r.smembers(keys.workers_roster()))
+            if w != self.presence.worker_id
+        )  # fmt: skip
+        with self.r.pipeline(transaction=False) as pipe:
+            for wid in peers:
+                pipe.pttl(keys.worker_info(wid))
+                pipe.exists(keys.worker_reaped(wid))
+            replies = pipe.execute()
+        failed: list[str] = []
+        for i, wid in enumerate(peers):
+            pttl, reaped = int(replies[2 * i]), bool(replies[2 * i + 1])
+            if is_alive(pttl) or reaped:
+                self._suspects.pop(wid, None)
+                continue
+            seen = self._suspects[wid] = self._suspects.get(wid, 0) + 1
+            if seen >= DEAD_CONFIRMATIONS and self._claim(wid):
+                failed += self._reap(wid, heartbeat_age_s(pttl))
+        return failed
+
+    def _claim(self, wid: str) -> bool:
+        return bool(self.r.set(keys.worker_reaped(wid), self.presence.worker_id, nx=True,
+                               ex=keys.REAPED_TTL_S))  # fmt: skip
+
+    def _reap(self, wid: str, age: float | None) -> list[str]:
+        name = keys.rq_worker_name(wid)
+        since = "its liveness key is gone" if age is None else f"no heartbeat for {age:.0f}s"
+        error = f"{WORKER_LOST_MARK} worker {wid} stopped while running this job ({since})"
+        ended = self._running_on(name, wid)
+        if ended:
+            with self.r.pipeline(transaction=False) as pipe:
+                for taken in ended:
+                    self.intake.end(pipe, JobEnd(taken, JobOutcome.FAILED, error=error),
+                                    count=False)  # fmt: skip
+                pipe.execute()
+        self._retire(name)
+        log.warning("worker %s is dead (%s): failed its %d running job(s)", wid, since, len(ended))
+        return [taken.id for taken in ended]
+
+    def _running_on(self, worker_name: str, wid: str) -> list[TakenJob]:
+        """The started jobs whose execution belongs to that worker, in the shared queue and in
+        the dead worker's own queue."""
+        found: list[TakenJob] = []
+        for queue_name in (keys.SHARED_QUEUE, keys.worker_queue_name(wid)):
+            registry = StartedJobRegistry(queue_name, connection=self.r,
+                                          serializer=MsgpackSerializer)  # fmt: skip
+            for job_id, execution_id in registry.get_job_and_execution_ids(cleanup=False):
+                try:
+                    execution = Execution.fetch(execution_id, job_id, self.r)
+                    if execution.worker_name != worker_name:
+                        continue
+                    job = Job.fetch(job_id, connection=self.r, serializer=MsgpackSerializer)
+                except redis.RedisError:
+                    raise
+                except Exception:  # gone meanwhile, or a record rq cannot load: leave it to rq
+                    continue
+                if job.get_status(refresh=False) == JobStatus.STARTED:
+                    found.append(TakenJob(job, execution, None))
+        return found
+
+    def _retire(self, worker_name: str) -> None:
+        """rq's death for the dead worker's registration, so `rq info` stops listing it."""
+        key = SimpleWorker.redis_worker_namespace_prefix + worker_name  # rq's own key scheme
+        stale = SimpleWorker.find_by_key(key, connection=self.r, serializer=MsgpackSerializer)
+        if stale is not None:
+            stale.register_death()
