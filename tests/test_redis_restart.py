@@ -4,6 +4,7 @@ started again on the same port (empty, as the embedded one restarts)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import redis
@@ -99,12 +100,25 @@ def test_router_answers_503_while_redis_is_down_and_serves_after_it_returns(
             resp = httpx.post(f"{pool.url}/v1/completions", json=body, timeout=30)
             assert resp.status_code == 200, resp.text
 
+            # A request in flight, that has streamed nothing to its client (not streaming).
+            r = redis.Redis.from_url(server.url)
+            long = {**body, "prompt": "The quick brown fox", "max_tokens": 1900}
+            box: dict[str, httpx.Response] = {}
+            thread = threading.Thread(target=lambda: box.update(
+                resp=httpx.post(f"{pool.url}/v1/completions", json=long, timeout=60)))  # fmt: skip
+            thread.start()
+            _wait(lambda: any(r.scan_iter("mlxcel:req:*:stream")), 20, "the long request runs")
+
             server.stop()
             resp = httpx.post(f"{pool.url}/v1/completions", json=body, timeout=30)
             assert resp.status_code == 503, resp.text
             assert resp.json()["error"]["code"] == "redis_unavailable"
 
             server = start_redis(port=server.port)
+            thread.join(60)
+            # Redis came back empty, its job with it: a 503 it may retry, not a 500.
+            assert box["resp"].status_code == 503, box["resp"].text
+            assert box["resp"].json()["error"]["code"] == "redis_unavailable"
             deadline = time.monotonic() + 30
             while True:  # the worker registers again within a few seconds
                 resp = httpx.post(f"{pool.url}/v1/completions", json=body, timeout=30)
