@@ -184,7 +184,8 @@ class Dispatcher:
     async def _watch(
         self, attempt: _Attempt, queue: asyncio.Queue[Entry], disconnected: Disconnected | None
     ) -> AsyncIterator[StreamEvent]:
-        """Relay the hub's entries in sequence (a duplicate is dropped, a gap ends the request);
+        """Relay the hub's entries in sequence (a duplicate is dropped, a gap ends the request,
+        with the worker's own error when one follows the gap: it says why the events were lost);
         between them, notice a vanished client, a failed or lost job, a dead worker, or the
         request timeout."""
         last_event_at = time.monotonic()
@@ -207,7 +208,7 @@ class Dispatcher:
                 event = _decode(fields)
                 if event.seq < attempt.next_seq and event.error_type != JOB_FAILED:
                     continue  # a write Redis applied twice: relayed already
-                if event.seq > attempt.next_seq:
+                if event.seq > attempt.next_seq and event.kind != "error":
                     yield _error(
                         JOB_FAILED,
                         f"the request's stream lost events "

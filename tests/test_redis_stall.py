@@ -92,8 +92,10 @@ PROMPTS = ["The quick brown fox", "Once upon a time", "Redis is an in-memory", "
            "The capital of France is", "In the beginning"]  # fmt: skip
 
 
-async def _complete(client: httpx.AsyncClient, model: str, prompt: str) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+async def _complete(
+    client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int = MAX_TOKENS
+) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     resp = await client.post("/v1/completions", json=body)
     if resp.status_code != 200:
@@ -102,8 +104,13 @@ async def _complete(client: httpx.AsyncClient, model: str, prompt: str) -> dict:
     text = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
     errors = [c["error"] for c in chunks if "error" in c]
     usage = chunks[-1].get("usage") if chunks else None
-    return {"status": 200, "text": text, "errors": errors, "usage": usage,
-            "text_chunks": sum(1 for c in chunks if c.get("choices") and c["choices"][0]["text"])}
+    return {
+        "status": 200,
+        "text": text,
+        "errors": errors,
+        "usage": usage,
+        "text_chunks": sum(1 for c in chunks if c.get("choices") and c["choices"][0]["text"]),
+    }
 
 
 def test_a_pool_rides_out_a_redis_stall_with_every_answer_the_models(
@@ -146,3 +153,60 @@ def test_a_pool_rides_out_a_redis_stall_with_every_answer_the_models(
         statuses = [r.hget(k, "status") for k in r.scan_iter("rq:job:*")]
         assert statuses and set(statuses) == {b"finished"}
         assert StartedJobRegistry(keys.SHARED_QUEUE, connection=r).count == 0
+
+
+# Prompts the tiny model never ends early (no EOS), long enough to be mid-stream at the stall.
+LONG_PROMPTS = ["The quick brown fox", "1, 2, 3, 4, 5,", "import numpy as np\n"]
+LONG = 800
+
+
+def test_a_stall_past_the_bound_ends_requests_with_a_clear_error_never_wrong_text(
+    tiny_model_dir: Path, tmp_path: Path, mlx_reference
+) -> None:
+    """Redis silent for longer than redis.stall_timeout_s: each request in flight either
+    finishes with the model's exact text or ends with a 503-style `redis_unavailable` error
+    after a correct prefix; nothing else, and the pool serves again once Redis answers."""
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir), local_files_only=True)
+    env = {"MLXCEL_REDIS_STALL_TIMEOUT_S": "2"}
+    with running_pool(tiny_model_dir, tmp_path, env=env) as pool:
+        model = httpx.get(f"{pool.url}/health", timeout=10).json()["model"]
+
+        async def scenario() -> list[dict]:
+            async with httpx.AsyncClient(base_url=pool.url, timeout=120) as client:
+                running = [asyncio.create_task(_complete(client, model, p, LONG))
+                           for p in LONG_PROMPTS]  # fmt: skip
+                await asyncio.sleep(0.5)
+                pid = pool.pid("redis")
+                os.kill(pid, signal.SIGSTOP)
+                try:
+                    await asyncio.sleep(5.0)
+                finally:
+                    os.kill(pid, signal.SIGCONT)
+                return await asyncio.gather(*running)
+
+        outcomes = []
+        for prompt, res in zip(LONG_PROMPTS, asyncio.run(scenario()), strict=True):
+            want_text, _ = mlx_reference.run(tok.encode(prompt), LONG)
+            if res["status"] == 503:
+                assert "redis_unavailable" in res["body"]
+                outcomes.append("503")
+                continue
+            assert res["status"] == 200, res
+            if res["errors"]:
+                (error,) = res["errors"]
+                assert error["code"] == "redis_unavailable", error
+                assert want_text.startswith(res["text"])  # what came out is the model's
+                outcomes.append("error")
+            else:
+                assert res["text"] == want_text
+                outcomes.append("done")
+        assert len(outcomes) == 3 and "done" not in outcomes  # all were cut by the stall
+        deadline = time.monotonic() + 30
+        while True:  # the worker registers again after its reconnect backoff
+            body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 4}
+            resp = httpx.post(f"{pool.url}/v1/completions", json=body, timeout=30)
+            if resp.status_code == 200 or time.monotonic() > deadline:
+                break
+            assert resp.status_code == 503, resp.text
+            time.sleep(0.5)
+        assert resp.status_code == 200, resp.text

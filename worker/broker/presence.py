@@ -32,7 +32,16 @@ class WorkerIdInUse(RuntimeError):
     pass
 
 
-class WorkerPresence(SimpleWorker):
+class RqWorkerRecord(SimpleWorker):
+    """rq's worker class for reading, writing and retiring worker records. It leaves the
+    connection's socket timeout alone: rq raises it to fit its own 405 s dequeue block, which
+    would void the pool's stall bound; our blocking dequeue waits a second."""
+
+    def _set_connection(self, connection: redis.Redis) -> redis.Redis:
+        return connection
+
+
+class WorkerPresence(RqWorkerRecord):
     """rq's worker class as a registration holder: jobs run in the engine's batch, never here."""
 
     def __init__(
@@ -86,7 +95,7 @@ class WorkerPresence(SimpleWorker):
         # until its heartbeat TTL runs out): retire it, as rq's own death would have.
         if not self.connection.exists(self.key):
             return
-        stale = SimpleWorker.find_by_key(
+        stale = RqWorkerRecord.find_by_key(
             self.key, connection=self.connection, serializer=MsgpackSerializer
         )
         if stale is not None:

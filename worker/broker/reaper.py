@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 
 import redis
-from rq import SimpleWorker
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry
@@ -23,7 +22,7 @@ from shared import keys
 from shared.liveness import DEAD_CONFIRMATIONS, WORKER_LOST_MARK, heartbeat_age_s, is_alive
 from shared.wire import MsgpackSerializer
 from worker.broker.intake import JobEnd, JobOutcome, RqIntake, TakenJob
-from worker.broker.presence import WorkerPresence
+from worker.broker.presence import RqWorkerRecord, WorkerPresence
 
 log = logging.getLogger("mlxcel.worker.reaper")
 
@@ -102,7 +101,7 @@ class Reaper:
 
     def _retire(self, worker_name: str) -> None:
         """rq's death for the dead worker's registration, so `rq info` stops listing it."""
-        key = SimpleWorker.redis_worker_namespace_prefix + worker_name  # rq's own key scheme
-        stale = SimpleWorker.find_by_key(key, connection=self.r, serializer=MsgpackSerializer)
+        key = RqWorkerRecord.redis_worker_namespace_prefix + worker_name  # rq's own key scheme
+        stale = RqWorkerRecord.find_by_key(key, connection=self.r, serializer=MsgpackSerializer)
         if stale is not None:
             stale.register_death()
