@@ -215,3 +215,28 @@ def test_a_job_abandoned_by_a_killed_worker_moves_to_failed(redis_url, start_wor
         time.sleep(0.05)
     assert failed.get_job_ids() == [rid] and started.count == 0
     assert Job.fetch(rid, connection=r, serializer=MsgpackSerializer).get_status() == "failed"
+
+
+def test_a_worker_restarted_under_its_id_fails_what_its_last_process_left(
+    redis_url, start_worker
+) -> None:
+    """Killed, then back faster than any peer could see the death: the new process fails the
+    jobs the old one left started (a 'worker lost' result, so a router may run them again)."""
+    import signal
+
+    from shared.liveness import WORKER_LOST_MARK
+
+    r = redis.Redis.from_url(redis_url)
+    w1 = start_worker(redis_url, "w1")
+    started, _, failed, _ = _registries(r)
+    rid = enqueue(r, list(range(10, 30)), max_tokens=1500)
+    while not r.exists(keys.request_stream(rid)):
+        time.sleep(0.01)
+    w1.stop(signal.SIGKILL)
+    start_worker(redis_url, "w1")  # (the old process's liveness hash is still there)
+    deadline = time.monotonic() + 30  # the new process loads the model, then reaps, then serves
+    while time.monotonic() < deadline and failed.count == 0:
+        time.sleep(0.05)
+    assert failed.get_job_ids() == [rid] and started.count == 0
+    job = Job.fetch(rid, connection=r, serializer=MsgpackSerializer)
+    assert WORKER_LOST_MARK in job.latest_result().exc_string

@@ -72,6 +72,7 @@ class WorkerLoop:
 
     def run(self) -> None:
         self.presence.arrive(self._gauges())
+        self.reaper.reap_own_past()
         try:
             while self._stop_requests == 0 or (self.engine.active and self._stop_requests == 1):
                 try:

@@ -59,6 +59,23 @@ class Reaper:
                 failed += self._reap(wid, heartbeat_age_s(pttl))
         return failed
 
+    def reap_own_past(self) -> list[str]:
+        """At process start: fail the jobs this worker id's previous process left started (a
+        crash, then a restart faster than peers could see the death), before serving."""
+        wid = self.presence.worker_id
+        ended = self._running_on(keys.rq_worker_name(wid), wid)
+        if ended:
+            self._end(ended, f"{WORKER_LOST_MARK} worker {wid} restarted while running this job")
+            log.warning("worker %s restarted: failed %d job(s) its last process left running",
+                        wid, len(ended))  # fmt: skip
+        return [taken.id for taken in ended]
+
+    def _end(self, ended: list[TakenJob], error: str) -> None:
+        with self.r.pipeline(transaction=False) as pipe:
+            for taken in ended:
+                self.intake.end(pipe, JobEnd(taken, JobOutcome.FAILED, error=error), count=False)
+            pipe.execute()
+
     def _claim(self, wid: str) -> bool:
         return bool(self.r.set(keys.worker_reaped(wid), self.presence.worker_id, nx=True,
                                ex=keys.REAPED_TTL_S))  # fmt: skip
@@ -69,11 +86,7 @@ class Reaper:
         error = f"{WORKER_LOST_MARK} worker {wid} stopped while running this job ({since})"
         ended = self._running_on(name, wid)
         if ended:
-            with self.r.pipeline(transaction=False) as pipe:
-                for taken in ended:
-                    self.intake.end(pipe, JobEnd(taken, JobOutcome.FAILED, error=error),
-                                    count=False)  # fmt: skip
-                pipe.execute()
+            self._end(ended, error)
         self._retire(name)
         log.warning("worker %s is dead (%s): failed its %d running job(s)", wid, since, len(ended))
         return [taken.id for taken in ended]
