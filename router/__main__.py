@@ -8,13 +8,12 @@ from shared.config import ConfigError, load_settings
 
 
 def run() -> None:
-    try:
-        settings = load_settings()
-    except ConfigError as exc:
-        sys.exit(f"mlxcel-pool router: {exc}")
     from router.serve import main
 
-    main(settings)
+    try:
+        main(load_settings())  # a key file it cannot read is a ConfigError too
+    except ConfigError as exc:
+        sys.exit(f"mlxcel-pool router: {exc}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ to the children as JSON in the environment, so CLI overrides reach them too.
 
 from __future__ import annotations
 
+import copy
 import os
+from typing import Any
 
 from shared.config import Settings
 
@@ -25,7 +27,22 @@ def prepare_environment(settings: Settings) -> None:
     os.environ[SETTINGS_ENV] = settings.model_dump_json()
 
 
+def log_config() -> dict[str, Any]:
+    """uvicorn's logging, plus our `router.*` loggers at INFO on its stderr handler: without
+    it their startup lines (the model served, whether API keys are on) reach no handler."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"]["router"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
+    return config
+
+
 def main(settings: Settings) -> None:
+    from router.auth import load_access
+
+    # Read the key files here too, so a missing one is a config error (exit 2) before uvicorn
+    # starts processes that would each fail on it.
+    load_access(settings.auth)
     prepare_environment(settings)
     import uvicorn  # imports nothing of ours; the app is imported by uvicorn in each process
 
@@ -36,5 +53,6 @@ def main(settings: Settings) -> None:
         port=settings.router.port,
         workers=settings.router.processes,
         log_level="info",
+        log_config=log_config(),
         timeout_graceful_shutdown=5,
     )
