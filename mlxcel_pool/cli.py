@@ -17,6 +17,7 @@ from typing import Any
 
 from mlxcel_pool.supervisor import Pool, PoolError, ensure_model
 from shared.config import ConfigError, Settings, load_settings
+from shared.redis_auth import PASSWORD_FILE, embedded_password, masked_url
 
 EXIT_CONFIG = 2
 
@@ -56,9 +57,22 @@ def build_parser() -> argparse.ArgumentParser:
     # Parsed by devmodel.builder itself; listed here for --help.
     sub.add_parser("build-model", help="build the built-in model (see build-model --help)")
 
-    redis = sub.add_parser("redis", help="run an embedded redis-server in the foreground")
+    redis = sub.add_parser(
+        "redis", help="run an embedded redis-server in the foreground (password in the cache dir)"
+    )
     redis.add_argument("--port", type=int, default=6379)
-    redis.add_argument("--host", default="127.0.0.1")
+    redis.add_argument("--host", default="127.0.0.1", help="a loopback address")
+
+    redis_url = sub.add_parser(
+        "redis-url", help="print the URL, password included, of `mlxcel-pool redis` on this port"
+    )
+    redis_url.add_argument("--port", type=int, default=6379)
+    redis_url.add_argument("--host", default="127.0.0.1")
+
+    dashboard = sub.add_parser(
+        "dashboard", help="rq-dashboard on 127.0.0.1 against REDIS_URL, reading jobs as msgpack"
+    )
+    dashboard.add_argument("--port", type=int, default=9181)
 
     wait = sub.add_parser("wait-redis", help="wait until REDIS_URL answers PING")
     wait.add_argument("--timeout", type=float, default=30.0)
@@ -157,6 +171,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             "model": {"path": args.model},
         }
     )
+    from router.auth import load_access
+
+    load_access(settings.auth)  # a bad key file stops `up` here (exit 2), not in the router child
     pool = Pool(settings, workers=args.workers, log_dir=args.log_dir or settings.cache_dir / "logs")
     say = _stderr_printer("up")
     try:
@@ -164,9 +181,13 @@ def cmd_up(args: argparse.Namespace) -> int:
             try:
                 pool.prepare_model(sys.stderr)  # progress on the terminal
                 pool.start()
-                say(f"redis {pool.redis_url}, {args.workers} worker(s), logs in {pool.log_dir}")
+                shown = masked_url(pool.redis_url)
+                say(f"redis {shown}, {args.workers} worker(s), logs in {pool.log_dir}")
                 pool.wait_healthy(args.ready_timeout)
                 print(f"mlxcel-pool ready: {pool.url}/v1", flush=True)
+                # The one line that shows the embedded Redis's password: on stdout, for the
+                # operator; stderr and the child logs only ever carry the URL masked.
+                print(f"REDIS_URL={shown if settings.redis.url else pool.redis_url}", flush=True)
                 with _SignalStop().installed() as stop:
                     pool.supervise(stop, log=say)  # returns on a signal, raises on a crash loop
                 say(f"{stop.signal_name}: stopping")
@@ -210,12 +231,23 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_redis(args: argparse.Namespace) -> int:
-    from shared.redis_server import start_redis
+    from shared.redis_server import RedisServerError, start_redis
 
+    settings = _settings({})
+    password = embedded_password(settings.cache_dir)
     with _stop_on_signals():
-        server = start_redis(port=args.port, host=args.host)
         try:
-            print(server.url, flush=True)
+            server = start_redis(port=args.port, host=args.host, password=password)
+        except RedisServerError as exc:
+            print(f"mlxcel-pool redis: {exc}", file=sys.stderr)
+            return 1
+        try:
+            # Masked: a process manager (honcho) logs this line. Clients get the full URL from
+            # `mlxcel-pool redis-url`, which reads the same password file.
+            print(server.masked_url, flush=True)
+            print(f"mlxcel-pool redis: password in {settings.cache_dir / PASSWORD_FILE}; "
+                  f"REDIS_URL=$(mlxcel-pool redis-url --port {server.port})",
+                  file=sys.stderr, flush=True)  # fmt: skip
             rc = server.process.wait()
             print(f"mlxcel-pool redis: redis-server exited with {rc}", file=sys.stderr)
             return rc or 1
@@ -225,22 +257,43 @@ def cmd_redis(args: argparse.Namespace) -> int:
             server.stop()
 
 
+def cmd_redis_url(args: argparse.Namespace) -> int:
+    from shared.redis_server import embedded_url
+
+    # Made here if `mlxcel-pool redis` has not made it yet: both end up with the same password.
+    password = embedded_password(_settings({}).cache_dir)
+    print(embedded_url(args.host, args.port, password), flush=True)
+    return 0
+
+
 def cmd_wait_redis(args: argparse.Namespace) -> int:
     settings = _settings({})
     _require_redis(settings, "wait-redis")
     import redis
 
     client = redis.Redis.from_url(settings.redis.url, socket_connect_timeout=1)
+    shown = masked_url(settings.redis.url)
     deadline = time.monotonic() + args.timeout
     while True:
         try:
             client.ping()
             return 0
+        except redis.AuthenticationError as exc:  # a wrong or missing password: waiting won't help
+            print(f"mlxcel-pool wait-redis: {shown}: {exc}", file=sys.stderr)
+            return 1
         except redis.RedisError as exc:
             if time.monotonic() > deadline:
-                print(f"mlxcel-pool wait-redis: {settings.redis.url}: {exc}", file=sys.stderr)
+                print(f"mlxcel-pool wait-redis: {shown}: {exc}", file=sys.stderr)
                 return 1
             time.sleep(0.2)
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    settings = _settings({})
+    _require_redis(settings, "dashboard")
+    from mlxcel_pool.dashboard import serve
+
+    return serve(settings.redis.url, args.port)
 
 
 def _stderr_printer(command: str) -> Callable[[str], None]:
@@ -255,5 +308,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "router": cmd_router,
     "worker": cmd_worker,
     "redis": cmd_redis,
+    "redis-url": cmd_redis_url,
+    "dashboard": cmd_dashboard,
     "wait-redis": cmd_wait_redis,
 }

@@ -26,10 +26,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Protocol
 
+from pydantic import SecretStr
+
 from devmodel.paths import is_built
 from mlxcel_pool.restarts import RestartLedger, RestartPolicy
 from shared.config import ENV_VARS, TRACE_ENV, ConfigError, Settings
 from shared.model_facts import configured_model_dir
+from shared.redis_auth import embedded_password
 from shared.redis_server import EmbeddedRedis, RedisServerError, free_port, start_redis
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -77,6 +80,8 @@ def settings_env(settings: Settings) -> dict[str, str]:
     env: dict[str, str] = {}
     for var, (section, key) in ENV_VARS.items():
         value: Any = getattr(getattr(settings, section), key)
+        if isinstance(value, SecretStr):  # str() of one is its mask; the child needs the value
+            value = value.get_secret_value()
         if isinstance(value, bool):
             env[var] = "true" if value else "false"
         elif value != "":
@@ -131,7 +136,9 @@ def _killpg(pid: int, sig: int) -> None:
 class Pool:
     """One router and `workers` workers (ids w1..wN) against one Redis.
 
-    `settings.redis.url` empty: an embedded redis-server is started. `settings.router.port` 0:
+    `settings.redis.url` empty: an embedded redis-server is started, on loopback, with the
+    password kept in `<cache_dir>/redis.password`; `redis_url` carries it, so never log it
+    unmasked (`shared.redis_auth.masked_url`). `settings.router.port` 0:
     a free port is chosen. `extra_env` is added to every child's environment. `restart_policy`
     (default: `settings.supervisor`) governs `supervise`.
     """
@@ -173,7 +180,8 @@ class Pool:
         try:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             if not self.redis_url:
-                self._redis = start_redis()
+                # The cache dir's password: the URL stays valid across restarts of the server.
+                self._redis = start_redis(password=embedded_password(self.settings.cache_dir))
                 self.redis_url = self._redis.url
             clean_multiproc_dir(self.settings.multiproc_dir)
             self._env = self._child_env()

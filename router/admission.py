@@ -21,18 +21,26 @@ from shared.wire import MAX_SEED, GenerationRequest
 MAX_STOP_SEQUENCES = 16
 
 
+# A text longer than this many characters per token of context cannot fit, whatever it
+# tokenizes to (no tokenizer's tokens are this long on average): refused before tokenizing.
+MAX_CHARS_PER_TOKEN = 64
+MAX_MESSAGES = 2048
+
+
 class Outcome(enum.StrEnum):
     ADMIT = "admit"
     INVALID = "invalid"
     UNKNOWN_MODEL = "unknown_model"
     CONTEXT_EXCEEDED = "context_exceeded"
+    POOL_BUSY = "pool_busy"
 
 
-# Outcome -> (status, error type, error code). Later outcomes (queue full -> 429) go here too.
+# Outcome -> (status, error type, error code): the one place a refusal picks its status.
 OUTCOME_ERRORS: dict[Outcome, tuple[int, str, str | None]] = {
     Outcome.INVALID: (400, "invalid_request_error", None),
     Outcome.UNKNOWN_MODEL: (404, "invalid_request_error", "model_not_found"),
     Outcome.CONTEXT_EXCEEDED: (400, "invalid_request_error", "context_length_exceeded"),
+    Outcome.POOL_BUSY: (429, "rate_limit_error", "rate_limit_exceeded"),
 }
 
 
@@ -42,10 +50,12 @@ class Admission:
     request: GenerationRequest | None = None
     message: str = ""
     param: str | None = None
+    retry_after_s: int | None = None
 
     def error(self) -> APIError:
         status, kind, code = OUTCOME_ERRORS[self.outcome]
-        return APIError(status, self.message, kind, self.param, code)
+        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s else None
+        return APIError(status, self.message, kind, self.param, code, headers)
 
 
 @dataclass(frozen=True)
@@ -55,6 +65,7 @@ class AdmissionContext:
     model_id: str
     tokenizer: PromptTokenizer
     default_max_tokens: int
+    trust_request_chat_template: bool = False
 
 
 class _Refused(Exception):
@@ -117,6 +128,7 @@ def _completion_tokens(body: CompletionRequest, tok: PromptTokenizer) -> list[in
             raise _invalid("Only one prompt per request is supported.", "prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
+        _fits_before_tokenizing(len(prompt), "prompt", tok)
         tokens = tok.encode(prompt) if prompt else []
     else:
         tokens = list(prompt)
@@ -127,10 +139,33 @@ def _completion_tokens(body: CompletionRequest, tok: PromptTokenizer) -> list[in
     return tokens
 
 
-def _chat_tokens(body: ChatCompletionRequest, tok: PromptTokenizer) -> tuple[list[int], str]:
+def _fits_before_tokenizing(chars: int, param: str, tok: PromptTokenizer) -> None:
+    """Refuse text that cannot fit the context whatever it tokenizes to, so megabytes are never
+    tokenized only to be refused."""
+    limit = tok.context_length * MAX_CHARS_PER_TOKEN
+    if chars > limit:
+        raise _Refused(
+            Outcome.CONTEXT_EXCEEDED,
+            f"'{param}' is {chars} characters: it cannot fit this model's context of "
+            f"{tok.context_length} tokens (at most {limit} characters).",
+            param,
+        )
+
+
+def _chat_tokens(body: ChatCompletionRequest, ctx: AdmissionContext) -> tuple[list[int], str]:
+    tok = ctx.tokenizer
     if not body.messages:
         raise _invalid("'messages' must be a non-empty list.", "messages")
+    if len(body.messages) > MAX_MESSAGES:
+        raise _invalid(f"'messages' may hold at most {MAX_MESSAGES} messages.", "messages")
+    if body.chat_template is not None and not ctx.trust_request_chat_template:
+        raise _invalid(
+            "A request's own 'chat_template' is not accepted by this pool (its operator can "
+            "allow it with MLXCEL_TRUST_REQUEST_CHAT_TEMPLATE=true).",
+            "chat_template",
+        )
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    _fits_before_tokenizing(sum(len(m["content"]) for m in messages), "messages", tok)
     try:
         tokens, signature = tok.encode_chat(messages, body.chat_template)
     except ChatTemplateError as exc:
@@ -176,7 +211,7 @@ def admit_chat(body: ChatCompletionRequest, ctx: AdmissionContext) -> Admission:
     try:
         _check_common(body, ctx)
         _stop_list(body.stop)
-        tokens, signature = _chat_tokens(body, ctx.tokenizer)
+        tokens, signature = _chat_tokens(body, ctx)
         # OpenAI's newer name wins when both are sent.
         param, requested = (
             ("max_completion_tokens", body.max_completion_tokens)

@@ -20,6 +20,9 @@ import redis
 from fastapi import FastAPI
 
 from router.admission import AdmissionContext
+from router.admission_ledger import AdmissionLedger
+from router.auth import install_auth, load_access
+from router.body_limit import BodyLimit
 from router.cache_stats import register_pool_script
 from router.dispatch import Dispatcher, build_queue
 from router.errors import install_error_handlers
@@ -32,6 +35,7 @@ from shared.config import Settings, load_settings
 from shared.gc_freeze import freeze_startup_heap
 from shared.metrics import init_reject_labels
 from shared.model_facts import configured_model_dir, model_id_for
+from shared.redis_auth import masked_url
 from shared.redis_clients import async_client, sync_client
 
 log = logging.getLogger(__name__)
@@ -51,7 +55,9 @@ async def _build_state(settings: Settings) -> RouterState:
         raise RuntimeError("the router needs a Redis URL (REDIS_URL or [redis] url)")
     model_dir = model_dir_for(settings)
     # Loading a tokenizer reads files and builds Rust objects: keep it off the event loop.
-    tokenizer = await anyio.to_thread.run_sync(load_tokenizer, model_dir)
+    tokenizer = await anyio.to_thread.run_sync(
+        load_tokenizer, model_dir, settings.router.tokenizer_copies
+    )
     model_id = model_id_for(model_dir, settings.model.id)
     aredis = async_client(settings.redis)
     sync_redis = sync_client(settings.redis)
@@ -60,10 +66,13 @@ async def _build_state(settings: Settings) -> RouterState:
     except redis.RedisError as exc:
         await aredis.aclose()
         sync_redis.close()
-        raise RuntimeError(f"cannot reach Redis at {settings.redis.url}: {exc}") from exc
+        shown = masked_url(settings.redis.url)  # the error is logged: never the password
+        raise RuntimeError(f"cannot reach Redis at {shown}: {exc}") from exc
     queue = build_queue(sync_redis)
     hub = StreamHub(settings.redis)
     await hub.start()
+    ledger = AdmissionLedger(settings.admission, sync_redis, aredis)
+    await ledger.start()
     dispatcher = Dispatcher(
         sync_redis=sync_redis,
         aredis=aredis,
@@ -71,12 +80,18 @@ async def _build_state(settings: Settings) -> RouterState:
         queue=queue,
         job_timeout_s=settings.worker.job_timeout_s,
         request_timeout_s=settings.router.request_timeout_s,
+        ledger=ledger,
     )
     return RouterState(
         settings=settings,
         model_dir=model_dir,
         model_id=model_id,
-        admission=AdmissionContext(model_id, tokenizer, settings.worker.default_max_tokens),
+        admission=AdmissionContext(
+            model_id,
+            tokenizer,
+            settings.worker.default_max_tokens,
+            settings.router.trust_request_chat_template,
+        ),
         dispatcher=dispatcher,
         aredis=aredis,
         pool_script=register_pool_script(aredis),
@@ -93,9 +108,11 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     app.state.router = state
     freeze_startup_heap(log)
     log.info("router serving model %r from %s", state.model_id, state.model_dir)
+    log.info("%s", app.state.access.describe())
     try:
         yield
     finally:
+        await state.dispatcher.ledger.stop()
         await state.dispatcher.hub.stop()
         await state.aredis.aclose()
         state.dispatcher.sync_redis.close()
@@ -105,6 +122,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="mlxcel-pool router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.settings = settings if settings is not None else settings_from_env()
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=app.state.settings.router.max_body_bytes)
+    # Last added, so it runs first: an unauthenticated request is refused before anything reads it.
+    install_auth(app, load_access(app.state.settings.auth))
     for module in (completions, chat, models, health, cache, metrics):
         app.include_router(module.router)
     return app

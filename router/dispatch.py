@@ -23,6 +23,7 @@ from rq import Queue
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 
+from router.admission_ledger import AdmissionLedger
 from router.stream_hub import Entry, StreamHub
 from shared import keys
 from shared.liveness import (
@@ -103,6 +104,7 @@ class Dispatcher:
     queue: Queue
     job_timeout_s: int
     request_timeout_s: float
+    ledger: AdmissionLedger
 
     def enqueue(self, req: GenerationRequest) -> None:
         """Put the job on the shared queue (blocking: call it off the event loop)."""
@@ -122,14 +124,19 @@ class Dispatcher:
             pipe.execute()
 
     async def events(
-        self, gen: GenerationRequest, disconnected: Disconnected | None = None
+        self,
+        gen: GenerationRequest,
+        disconnected: Disconnected | None = None,
+        streamed: bool = True,
     ) -> AsyncIterator[StreamEvent]:
         """The request's events up to and including its `done` or `error`. A request whose worker
-        died before any token reached the client is enqueued once more, onto whichever worker
-        is live (the client never sees the death); one that had streamed tokens ends with an
-        error. Closing the iterator early (client gone) tells the worker to drop the sequence."""
+        died before any token reached the client (a streamed one that had sent none, or any
+        non-streamed one) is enqueued once more, onto whichever worker is live: a new attempt
+        begins with its own `start`, after which the reader drops what it gathered; the client
+        never sees the death. One that had streamed tokens ends with an error. Closing the
+        iterator early (client gone) tells the worker to drop the sequence."""
         attempt = _Attempt(gen)
-        relayed_tokens = False
+        relayed_tokens = started = False
         try:
             while True:
                 lost: StreamEvent | None = None
@@ -139,7 +146,10 @@ class Dispatcher:
                             lost = event
                             break
                         attempt.finished = event.kind in ("done", "error")
-                        relayed_tokens = relayed_tokens or event.kind == "delta"
+                        relayed_tokens = relayed_tokens or (streamed and event.kind == "delta")
+                        if event.kind == "start" and not started:
+                            started = True
+                            await self.ledger.started(gen.request_id)
                         yield event
                         if attempt.finished:
                             return
@@ -161,6 +171,7 @@ class Dispatcher:
             # Shielded: this also runs when the client's task is being cancelled.
             with anyio.CancelScope(shield=True):
                 await self._cleanup(attempt.job_id, cancel=not attempt.finished)
+                await self.ledger.release(gen.request_id)
 
     async def _requeue(self, lost: _Attempt) -> _Attempt:
         """The next attempt, under a new job id (the lost worker's job keeps its own); the lost

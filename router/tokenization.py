@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import threading
+import queue
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,20 +35,42 @@ def template_signature(template: str) -> str:
     return hashlib.sha256(template.encode()).hexdigest()[:16]
 
 
+class TokenizerPool:
+    """Copies of one HF tokenizer, each used by one thread at a time (a fast tokenizer fails
+    with "Already borrowed" when shared across threads): a long tokenization holds one copy
+    while other requests on the same process use the rest."""
+
+    def __init__(self, copies: list[Any]) -> None:
+        self.first = copies[0]
+        self._free: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        for hf in copies:
+            self._free.put(hf)
+
+    @contextmanager
+    def borrow(self) -> Iterator[Any]:
+        hf = self._free.get()
+        try:
+            yield hf
+        finally:
+            self._free.put(hf)
+
+
 @dataclass
 class PromptTokenizer:
-    hf: Any
+    pool: TokenizerPool
     context_length: int
     vocab_size: int
     default_template: str | None
-    # HF fast tokenizers can fail with "Already borrowed" when one instance is used from several
-    # threads at once; the router tokenizes in the threadpool, so calls are serialized here.
-    _lock: threading.Lock
+
+    @property
+    def hf(self) -> Any:
+        """One copy, for reading its fixed attributes (never to encode: borrow one for that)."""
+        return self.pool.first
 
     def encode(self, text: str) -> list[int]:
         """Completions: the text as the model's tokenizer encodes it (special tokens included)."""
-        with self._lock:
-            return list(self.hf.encode(text))
+        with self.pool.borrow() as hf:
+            return list(hf.encode(text))
 
     def encode_chat(
         self, messages: list[dict[str, str]], template: str | None = None
@@ -56,23 +80,26 @@ class PromptTokenizer:
         used = template if template is not None else self.default_template
         if not used:
             raise ChatTemplateError("the model has no chat template; pass `chat_template`")
-        with self._lock:
+        with self.pool.borrow() as hf:
             try:
-                text = self.hf.apply_chat_template(
+                text = hf.apply_chat_template(
                     messages, chat_template=used, tokenize=False, add_generation_prompt=True
                 )
             except Exception as exc:  # jinja2 errors of any kind: a bad template is bad input
                 raise ChatTemplateError(f"chat template failed to render: {exc}") from exc
-            ids = list(self.hf.encode(text, add_special_tokens=False))
+            ids = list(hf.encode(text, add_special_tokens=False))
         return ids, template_signature(used)
 
 
-def load_tokenizer(model_dir: Path) -> PromptTokenizer:
+def load_tokenizer(model_dir: Path, copies: int = 1) -> PromptTokenizer:
     hint = "run `mlxcel-pool build-model` or set MLXCEL_MODEL to a model directory"
     if not model_dir.is_dir():
         raise TokenizerLoadError(f"model directory {model_dir} does not exist ({hint})")
     try:
-        hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        loaded = [
+            AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+            for _ in range(copies)
+        ]
     except Exception as exc:  # transformers raises OSError/ValueError/... depending on the file
         raise TokenizerLoadError(
             f"cannot load the tokenizer from {model_dir}: {exc} ({hint})"
@@ -83,11 +110,11 @@ def load_tokenizer(model_dir: Path) -> PromptTokenizer:
         raise TokenizerLoadError(f"{exc} ({hint})") from exc
     if not facts.context_from_config:
         log.warning("%s names no context length; assuming %d", model_dir, FALLBACK_CONTEXT)
+    hf = loaded[0]
     template = getattr(hf, "chat_template", None)
     return PromptTokenizer(
-        hf=hf,
+        pool=TokenizerPool(loaded),
         context_length=facts.context_length,
         vocab_size=facts.vocab_size or len(hf),
         default_template=template if isinstance(template, str) else None,
-        _lock=threading.Lock(),
     )

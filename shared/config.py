@@ -11,7 +11,17 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_serializer,
+    field_validator,
+)
+
+from shared.redis_auth import masked_url
 
 DEFAULTS_PATH = Path(__file__).resolve().parent.parent / "config" / "defaults.toml"
 
@@ -45,6 +55,23 @@ class RouterConfig(_Section):
     port: int = Field(8000, ge=0, le=65535)
     processes: int = Field(2, ge=1, le=64)
     request_timeout_s: float = Field(600, gt=0)
+    # Larger request bodies are refused (413) before they are read whole.
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    # Tokenizer copies per router process: a long tokenization holds one, the rest serve on.
+    tokenizer_copies: int = Field(4, ge=1, le=64)
+    # A request's own `chat_template` runs code the operator did not write: refused unless set.
+    trust_request_chat_template: bool = False
+
+
+class AdmissionConfig(_Section):
+    """Pool-wide bounds, counted in Redis and shared by every router process (0: no bound)."""
+
+    max_inflight: int = Field(512, ge=0)
+    max_inflight_per_worker: int = Field(64, ge=0)
+    max_queued_prompt_tokens: int = Field(262144, ge=0)
+    # A router that crashed leaves reservations behind: they lapse after this.
+    reservation_ttl_s: float = Field(30.0, gt=1)
+    retry_after_s: int = Field(1, ge=1)
 
 
 class ModelConfig(_Section):
@@ -106,14 +133,35 @@ class SupervisorConfig(_Section):
     restart_backoff_max_s: float = Field(10, ge=0)
 
 
+class AuthConfig(_Section):
+    """Who may call the router (router/auth.py reads the keys). No key anywhere: auth is off."""
+
+    # Comma-separated. SecretStr: a repr or log of the settings shows `**********`, never a key.
+    api_keys: SecretStr = SecretStr("")
+    # One key per line; blank lines and lines starting with `#` are skipped.
+    api_key_file: str = ""
+    # When any is set, only these keys may call the admin routes (they work everywhere else too).
+    admin_api_keys: SecretStr = SecretStr("")
+    admin_api_key_file: str = ""
+    # /metrics needs no key (a scraper on a trusted network); false: it needs one like the rest.
+    metrics_open: bool = True
+
+    @field_serializer("api_keys", "admin_api_keys", when_used="json")
+    def _reveal(self, value: SecretStr) -> str:
+        # The router's uvicorn processes get the settings as JSON (router.serve): keep the keys.
+        return value.get_secret_value()
+
+
 class Settings(_Section):
     redis: RedisConfig = RedisConfig()
     router: RouterConfig = RouterConfig()
+    admission: AdmissionConfig = AdmissionConfig()
     model: ModelConfig = ModelConfig()
     worker: WorkerConfig = WorkerConfig()
     prompt_cache: PromptCacheConfig = PromptCacheConfig()
     metrics: MetricsConfig = MetricsConfig()
     supervisor: SupervisorConfig = SupervisorConfig()
+    auth: AuthConfig = AuthConfig()
 
     @property
     def cache_dir(self) -> Path:
@@ -130,6 +178,14 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "REDIS_URL": ("redis", "url"),
     "MLXCEL_REDIS_STALL_TIMEOUT_S": ("redis", "stall_timeout_s"),
     "MLXCEL_REDIS_MAX_CONNECTIONS": ("redis", "max_connections"),
+    "MLXCEL_MAX_BODY_BYTES": ("router", "max_body_bytes"),
+    "MLXCEL_TOKENIZER_COPIES": ("router", "tokenizer_copies"),
+    "MLXCEL_TRUST_REQUEST_CHAT_TEMPLATE": ("router", "trust_request_chat_template"),
+    "MLXCEL_MAX_INFLIGHT": ("admission", "max_inflight"),
+    "MLXCEL_MAX_INFLIGHT_PER_WORKER": ("admission", "max_inflight_per_worker"),
+    "MLXCEL_MAX_QUEUED_PROMPT_TOKENS": ("admission", "max_queued_prompt_tokens"),
+    "MLXCEL_RESERVATION_TTL_S": ("admission", "reservation_ttl_s"),
+    "MLXCEL_RETRY_AFTER_S": ("admission", "retry_after_s"),
     "MLXCEL_HOST": ("router", "host"),
     "MLXCEL_PORT": ("router", "port"),
     "MLXCEL_ROUTER_PROCESSES": ("router", "processes"),
@@ -163,7 +219,14 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "MLXCEL_RESTART_WINDOW_S": ("supervisor", "restart_window_s"),
     "MLXCEL_RESTART_BACKOFF_S": ("supervisor", "restart_backoff_s"),
     "MLXCEL_RESTART_BACKOFF_MAX_S": ("supervisor", "restart_backoff_max_s"),
+    "MLXCEL_API_KEYS": ("auth", "api_keys"),
+    "MLXCEL_API_KEY_FILE": ("auth", "api_key_file"),
+    "MLXCEL_ADMIN_API_KEYS": ("auth", "admin_api_keys"),
+    "MLXCEL_ADMIN_API_KEY_FILE": ("auth", "admin_api_key_file"),
+    "MLXCEL_METRICS_OPEN": ("auth", "metrics_open"),
 }
+# Variables whose value is a secret: an error message names them but never shows the value.
+SECRET_ENV_VARS = frozenset({"MLXCEL_API_KEYS", "MLXCEL_ADMIN_API_KEYS"})
 
 # The trace switch has its own exact rule (spec): on only for the exact value "1".
 TRACE_ENV = "MLXCEL_APC_TRACE"
@@ -189,7 +252,9 @@ def load_settings(
     for var, (section, key) in ENV_VARS.items():
         if var in env:
             data.setdefault(section, {})[key] = env[var]
-            sources[(section, key)] = f"environment variable {var}={env[var]!r}"
+            value = masked_url(env[var]) if var == "REDIS_URL" else env[var]  # may hold a password
+            shown = "(value hidden)" if var in SECRET_ENV_VARS else repr(value)
+            sources[(section, key)] = f"environment variable {var}={shown}"
     data.setdefault("prompt_cache", {})["trace"] = trace_enabled(env)
     for section, values in (overrides or {}).items():
         for key, value in values.items():

@@ -20,6 +20,8 @@ script (Redis time there grows with the number of calls).
 | `mlxcel:worker:<wid>:reaped` | string | the worker that failed a dead one's jobs | REAPED_TTL_S |
 | `mlxcel:control:<reply_id>:reply` | list | worker pushes, router pops | CONTROL_TTL_S |
 | `mlxcel:router:<hub_id>:wake` | stream | one router process (its stream hub) | REQUEST_TTL_S |
+| `mlxcel:admission:inflight` | zset | routers: admission ledger | none: members lapse by score |
+| `mlxcel:admission:queued` | hash | routers: unstarted prompt tokens | none: goes with members |
 """
 
 from __future__ import annotations
@@ -93,6 +95,17 @@ def control_reply(reply_id: str) -> str:
     return f"{PREFIX}:control:{reply_id}:reply"
 
 
+def admission_inflight() -> str:
+    """The pool's admission ledger: every admitted request not yet ended, scored by when its
+    reservation lapses (its router refreshes it); a member past its score is a crashed router's."""
+    return f"{PREFIX}:admission:inflight"
+
+
+def admission_queued_tokens() -> str:
+    """Prompt tokens per admitted request that no worker has started yet."""
+    return f"{PREFIX}:admission:queued"
+
+
 def router_wake(hub_id: str) -> str:
     """A router process's own stream: a write here wakes its blocked multi-stream XREAD."""
     return f"{PREFIX}:router:{hub_id}:wake"
@@ -120,6 +133,8 @@ def parse_key(key: str) -> ParsedKey:
         raise ValueError(f"not an mlxcel key: {key!r}")
     if parts[1:] == ["workers"]:
         return ParsedKey("workers", "", "")
+    if len(parts) == 3 and parts[1] == "admission" and parts[2] in ("inflight", "queued"):
+        return ParsedKey("admission", "", parts[2])
     if len(parts) >= 4 and parts[1] in ("req", "worker", "control", "router") and parts[2]:
         part = ":".join(parts[3:])
         allowed = {

@@ -7,6 +7,7 @@ import os
 import queue
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -85,19 +86,55 @@ def spawned() -> Iterator[list[subprocess.Popen[str]]]:
             proc.wait()
 
 
-def test_redis_command_serves_and_stops_on_sigint(spawned: list[subprocess.Popen[str]]) -> None:
-    port = free_port()
+def _mlxcel(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "mlxcel_pool", *args]
+    return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+
+
+def _start_redis_command(
+    port: int, env: dict[str, str], stderr: IO[str], spawned: list[subprocess.Popen[str]]
+) -> str:
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlxcel_pool", "redis", "--port", str(port)],
-        cwd=REPO, env=_env(), stdout=subprocess.PIPE, text=True,
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
     )  # fmt: skip
     spawned.append(proc)
-    url = _wait_line(_lines(proc.stdout), "redis://", 30)  # type: ignore[arg-type]
-    assert url == f"redis://127.0.0.1:{port}/0"
+    return _wait_line(_lines(proc.stdout), "redis://", 30)  # type: ignore[arg-type]
+
+
+def test_redis_command_needs_its_password_and_stops_on_sigint(
+    spawned: list[subprocess.Popen[str]], tmp_path: Path
+) -> None:
+    port = free_port()
+    env = _env(MLXCEL_CACHE_DIR=str(tmp_path / "cache"))
+    with open(tmp_path / "redis.stderr", "w") as err:
+        shown = _start_redis_command(port, env, err, spawned)
+    assert shown == f"redis://:***@127.0.0.1:{port}/0"  # a process manager logs this line
+    password_file = tmp_path / "cache" / "redis.password"
+    assert stat.S_IMODE(password_file.stat().st_mode) == 0o600
+    password = password_file.read_text().strip()
+    url = _mlxcel("redis-url", "--port", str(port), env=env).stdout.strip()
+    assert url == f"redis://:{password}@127.0.0.1:{port}/0"
     assert redis.Redis.from_url(url).ping()
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(port=port).ping()
+
+    assert _mlxcel("wait-redis", "--timeout", "5", env={**env, "REDIS_URL": url}).returncode == 0
+    wrong = f"redis://:not-{password}@127.0.0.1:{port}/0"
+    started = time.monotonic()
+    failed = _mlxcel("wait-redis", "--timeout", "30", env={**env, "REDIS_URL": wrong})
+    assert failed.returncode == 1 and time.monotonic() - started < 20  # no waiting it out
+    assert f"redis://:***@127.0.0.1:{port}/0" in failed.stderr and password not in failed.stderr
+
+    proc = spawned[-1]
     proc.send_signal(signal.SIGINT)
     assert proc.wait(30) == 0
     assert not _port_open(port)
+    assert password not in (tmp_path / "redis.stderr").read_text()
+    # Started again, it takes the same password: the URL clients hold still works.
+    with open(tmp_path / "redis.stderr", "a") as err:
+        _start_redis_command(port, env, err, spawned)
+    assert redis.Redis.from_url(url).ping()
 
 
 def _wait_text(path: Path, text: str, timeout: float) -> None:
@@ -135,13 +172,19 @@ def test_up_serves_a_completion_and_stops_cleanly(
         proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err,
                                 text=True)  # fmt: skip
     spawned.append(proc)
+    stdout = _lines(proc.stdout)  # type: ignore[arg-type]
     try:
-        ready = _wait_line(_lines(proc.stdout), READY_PREFIX, 300)  # type: ignore[arg-type]
+        ready = _wait_line(stdout, READY_PREFIX, 300)
     except AssertionError:
         pytest.fail((tmp_path / "up.stderr").read_text()[-4000:])
     base = ready.removeprefix(READY_PREFIX)
     assert base == f"http://127.0.0.1:{port}/v1"
     root = base.removesuffix("/v1")
+    # The embedded Redis needs the password kept in the cache dir; `up` shows the usable URL.
+    password = (cache_dir / "redis.password").read_text().strip()
+    redis_url = _wait_line(stdout, "REDIS_URL=", 10).removeprefix("REDIS_URL=")
+    assert redis_url.startswith(f"redis://:{password}@127.0.0.1:")
+    assert redis.Redis.from_url(redis_url).ping()
 
     assert _get(f"{root}/health")[0] == 200
     _, models = _get(f"{base}/models")
@@ -172,6 +215,9 @@ def test_up_serves_a_completion_and_stops_cleanly(
     proc.send_signal(signal.SIGINT)
     assert proc.wait(60) == 0, (tmp_path / "up.stderr").read_text()[-4000:]
     assert "mlxcel-pool up: SIGINT: stopping" in (tmp_path / "up.stderr").read_text()
+    assert "redis redis://:***@127.0.0.1:" in (tmp_path / "up.stderr").read_text()
+    logged = [tmp_path / "up.stderr", *(tmp_path / "logs").iterdir()]
+    assert [p.name for p in logged if password in p.read_text(errors="replace")] == []
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and not all(_gone(c.pid) for c in children):
         time.sleep(0.1)

@@ -104,6 +104,9 @@ def test_mlxcel_keys_parse_back(name: str) -> None:
     }  # fmt: skip
     if parsed.kind == "workers":
         assert key == keys.workers_roster()
+    elif parsed.kind == "admission":
+        built = {"inflight": keys.admission_inflight, "queued": keys.admission_queued_tokens}
+        assert built[parsed.part]() == key
     else:
         assert rebuilt[parsed.kind][parsed.part](parsed.ident) == key
 

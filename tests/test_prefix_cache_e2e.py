@@ -21,7 +21,11 @@ def toks(n: int, start: int = 10) -> list[int]:
 
 @pytest.fixture(scope="module", params=["dense", "paged"])
 def pool(request, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    env = {"MLXCEL_SERVER_DECODE_STORAGE": request.param}
+    # One test sends its own chat template: this pool's operator allows it.
+    env = {
+        "MLXCEL_SERVER_DECODE_STORAGE": request.param,
+        "MLXCEL_TRUST_REQUEST_CHAT_TEMPLATE": "true",
+    }
     with running_pool(tiny_model_dir, tmp_path_factory.mktemp(request.param), env=env) as p:
         p.storage = request.param
         yield p

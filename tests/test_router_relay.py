@@ -43,7 +43,9 @@ def router_url(
 ) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("relay")
     settings = router_settings(redis_server.url, tiny_model_dir, tmp, REQUEST_TIMEOUT_S)
-    server = RouterServer(settings).start()
+    # The relay tests send their own chat templates: this router's operator allows them.
+    trusting = settings.router.model_copy(update={"trust_request_chat_template": True})
+    server = RouterServer(settings.model_copy(update={"router": trusting})).start()
     yield server.url
     server.stop()
 
@@ -323,9 +325,11 @@ def test_an_event_written_twice_is_relayed_once(
 ) -> None:
     fut = pool.submit(post, router_url, "/v1/completions", {"model": model_id, "prompt": "x"})
     _, req = take_job(r)
-    start, delta, done = (StreamEvent(kind="start", worker_id="w1"),
-                          StreamEvent(kind="delta", text="once", token_ids=[1]),
-                          StreamEvent(kind="done", finish_reason="length", completion_tokens=1))
+    start, delta, done = (
+        StreamEvent(kind="start", worker_id="w1"),
+        StreamEvent(kind="delta", text="once", token_ids=[1]),
+        StreamEvent(kind="done", finish_reason="length", completion_tokens=1),
+    )
     play(r, req, start, delta)
     # A pipeline Redis applied twice (a retry after a timeout) writes the same event again.
     r.xadd(keys.request_stream(req.request_id), {STREAM_FIELD: delta.to_wire()})
@@ -394,3 +398,38 @@ def test_a_request_whose_worker_died_after_tokens_ends_with_an_error(
     assert "worker w3 stopped" in error["message"] and "no heartbeat" in error["message"]
     assert time.monotonic() - started < 5  # two checks a second apart, not the request timeout
     assert Queue(keys.SHARED_QUEUE, connection=r).count == 0  # not run again: text was out
+
+
+def test_a_non_streamed_request_whose_worker_died_after_tokens_runs_again(
+    router_url: str, r: redis.Redis, pool: ThreadPoolExecutor, model_id: str
+) -> None:
+    """Nothing reached its client yet: the lost attempt's text is dropped, the next one's kept."""
+    fut = pool.submit(post, router_url, "/v1/completions", {"model": model_id, "prompt": "x"})
+    job, req = take_job(r)
+    job.set_status(JobStatus.STARTED)
+    r.lrem(Queue(keys.SHARED_QUEUE, connection=r).key, 0, job.id)  # w4 had taken it
+    play(r, req, StreamEvent(kind="start", worker_id="w4"),
+         StreamEvent(kind="delta", text="lost ", token_ids=[1]))  # fmt: skip
+    _beating(r, "w4", age_s=liveness.DEAD_AFTER_S + 1)
+    _, req2 = take_job(r, timeout=15)
+    assert req2.request_id == f"{req.request_id}-1"
+    play(r, req2, StreamEvent(kind="start", worker_id="w5"),
+         StreamEvent(kind="delta", text="kept", token_ids=[1]),
+         StreamEvent(kind="done", finish_reason="length", completion_tokens=1))  # fmt: skip
+    resp = fut.result(15)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == "kept"
+
+
+def test_a_job_failed_as_worker_lost_is_a_retryable_503_once_attempts_run_out(
+    router_url: str, r: redis.Redis, pool: ThreadPoolExecutor, model_id: str
+) -> None:
+    fut = pool.submit(post, router_url, "/v1/completions", {"model": model_id, "prompt": "x"})
+    for attempt in range(2):  # the reaper fails each attempt's job: its worker died
+        job, _ = take_job(r, timeout=15)
+        r.lrem(Queue(keys.SHARED_QUEUE, connection=r).key, 0, job.id)
+        Result.create_failure(job, ttl=60, exc_string=f"{liveness.WORKER_LOST_MARK} w{attempt}")
+        job.set_status(JobStatus.FAILED)
+    resp = fut.result(15)
+    assert resp.status_code == 503, resp.text
+    assert resp.json()["error"]["code"] == "worker_lost"

@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from router.admission import Admission, AdmissionContext, Outcome
-from router.dispatch import TIMEOUT
+from router.dispatch import TIMEOUT, WORKER_LOST
 from router.errors import APIError
 from router.openai_types import ResponseFormat, Usage
 from router.state import RouterState
@@ -39,7 +39,8 @@ class _Progress:
 
     def on_event(self, ev: StreamEvent) -> None:
         now = time.time()
-        if ev.kind == "start":
+        if ev.kind == "start":  # an attempt begins: a lost one's text (never sent) is dropped
+            self.text.clear()
             self.usage.cached_tokens = ev.cached_tokens
         elif ev.kind == "delta":
             self.text.append(ev.text)
@@ -66,6 +67,9 @@ def error_for(ev: StreamEvent) -> APIError:
         return APIError(504, ev.error, "server_error", None, "timeout")
     if ev.error_type == "invalid_request_error":
         return APIError(400, ev.error, "invalid_request_error")
+    if ev.error_type == WORKER_LOST:
+        message = f"The pool lost the worker running this request; retry shortly: {ev.error}"
+        return APIError(503, message, "server_error", None, WORKER_LOST)
     if ev.error_type == REDIS_UNAVAILABLE:
         message = f"The pool lost its queue (Redis) during the request; retry shortly: {ev.error}"
         return APIError(503, message, "server_error", None, REDIS_UNAVAILABLE)
@@ -133,8 +137,20 @@ async def admit_and_submit(
 
     def run() -> Admission:
         admission = admit(body, state.admission)
-        if admission.outcome is Outcome.ADMIT and admission.request is not None:
-            state.dispatcher.enqueue(admission.request)
+        req = admission.request
+        if admission.outcome is not Outcome.ADMIT or req is None:
+            return admission
+        # The pool's bound, decided before anything is enqueued (and before any 200).
+        ledger = state.dispatcher.ledger
+        refusal = ledger.reserve(req.request_id, len(req.prompt_tokens))
+        if refusal is not None:
+            retry = state.settings.admission.retry_after_s
+            return Admission(Outcome.POOL_BUSY, message=refusal.message(), retry_after_s=retry)
+        try:
+            state.dispatcher.enqueue(req)
+        except BaseException:
+            ledger.release_sync(req.request_id, state.dispatcher.sync_redis)
+            raise
         return admission
 
     admission = await anyio.to_thread.run_sync(run)
@@ -152,7 +168,7 @@ async def respond(
     include_usage: bool,
 ) -> Response:
     """Relay a request already admitted and enqueued (admit_and_submit)."""
-    events = state.dispatcher.events(gen, request.is_disconnected)
+    events = state.dispatcher.events(gen, request.is_disconnected, streamed=stream)
     progress = _Progress(gen)
     if not stream:
         async with aclosing(events):
