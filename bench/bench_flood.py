@@ -130,6 +130,7 @@ class Round:
 @dataclass
 class Run:
     lone_ttfts: list[float] = field(default_factory=list)
+    at_bound_ttfts: list[float] = field(default_factory=list)  # `bound` at once, no flood
     baseline_rss_mib: dict[str, float] = field(default_factory=dict)
     rounds: list[Round] = field(default_factory=list)
 
@@ -281,6 +282,15 @@ async def lone_ttfts(http: aiohttp.ClientSession, model: str, plan: Plan) -> lis
     return out
 
 
+async def at_bound_ttfts(http: aiohttp.ClientSession, model: str, plan: Plan) -> list[float]:
+    """Exactly `bound` requests at once and no more: the TTFT the accepted requests of a flood
+    would have if admission shielded them perfectly from the refused ones."""
+    replies = await asyncio.gather(
+        *(send(http, model, plan.request_timeout_s) for _ in range(plan.bound))
+    )
+    return [r.ttft for r in replies if r.kind == ACCEPTED and r.ttft is not None]
+
+
 async def flood_round(
     pool: Pool, http: aiohttp.ClientSession, depths: Depths, model: str, plan: Plan, number: int
 ) -> Round:
@@ -313,6 +323,8 @@ async def flood(pool: Pool, plan: Plan) -> Run:
             async with http.get("/health") as resp:
                 model = str((await resp.json(content_type=None))["model"])
             run.lone_ttfts = await lone_ttfts(http, model, plan)
+            await asyncio.sleep(SETTLE_S)
+            run.at_bound_ttfts = await at_bound_ttfts(http, model, plan)
             await asyncio.sleep(SETTLE_S)
             run.baseline_rss_mib = rss_mib(pool)
             for number in range(1, plan.rounds + 1):
@@ -415,6 +427,10 @@ def print_report(run: Run, plan: Plan) -> bool:
     print(f"errors other than 429  {others}")
     print(f"p99 TTFT accepted / lone TTFT  {ttft_ratio:.2f} (worst round p99 "
           f"{worst_p99 * 1000:.0f} ms, lone {lone * 1000:.0f} ms; bound {plan.bound})")  # fmt: skip
+    at_bound = percentile(run.at_bound_ttfts, 99)
+    print(f"p99 TTFT accepted / p99 of {plan.bound} requests at once without a flood  "
+          f"{worst_p99 / at_bound:.2f} ({at_bound * 1000:.0f} ms: what admission can at best "
+          f"keep; {len(run.at_bound_ttfts)} of {plan.bound} accepted)")  # fmt: skip
     print("RSS growth round 1 -> last: "
           + ", ".join(f"{n} {g:+.1f} MiB" for n, g in judged.items())
           + f" (tolerance max({GROWTH_TOLERANCE_MIB:g} MiB, "
