@@ -37,7 +37,7 @@ from typing import Any
 
 import aiohttp
 import redis
-from common import LOCK_HINT, REPO, machine_line, table, write_json  # preloads OpenBLAS
+from common import LOCK_HINT, REPO, machine_line, table, tiny_model_dir, write_json  # preloads BLAS
 
 from mlxcel_pool.supervisor import REDIS, Pool, PoolError
 from tests.pool_fixture import running_pool
@@ -496,13 +496,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from devmodel.builder import ensure_model
-
     args = parse_args(argv)
     plan = Plan.of(args)
     print(f"# {machine_line()}", flush=True)
     print(f"# {LOCK_HINT}", file=sys.stderr)
-    model_dir = ensure_model(REPO / ".cache" / "test", "tiny")
+    model_dir = tiny_model_dir()
     print(f"# model {model_dir.name}; 2 workers, 1 router process, supervised (restart backoff "
           f"0.2 s); {plan.clients} clients, random prompt of {len(PROMPTS)}, streamed or not; "
           f"steady load {plan.warmup_s:g} s before and {plan.gap_s:g} s after each fault",

@@ -37,7 +37,7 @@ import aiohttp
 import psutil
 import redis
 import redis.asyncio as aioredis
-from common import LOCK_HINT, REPO, machine_line, median, table, write_json  # preloads OpenBLAS
+from common import LOCK_HINT, machine_line, median, table, tiny_model_dir, write_json
 from rq import Queue
 
 from mlxcel_pool.supervisor import REDIS, Pool
@@ -456,13 +456,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from devmodel.builder import ensure_model
-
     args = parse_args(argv)
     plan = Plan.of(args)
     print(f"# {machine_line()}", flush=True)
     print(f"# {LOCK_HINT}", file=sys.stderr)
-    model_dir = ensure_model(REPO / ".cache" / "test", "tiny")
+    model_dir = tiny_model_dir()
     env = plan.env()
     print(f"# model {model_dir.name}; {len(WORKERS)} workers, 1 router process; "
           f"{' '.join(f'{k}={v}' for k, v in env.items())}; {plan.flood} streams at once per "

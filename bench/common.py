@@ -52,6 +52,13 @@ def bench_model_dir() -> Path:
     return ensure_model(BENCH_CACHE_DIR, "bench")
 
 
+def tiny_model_dir() -> Path:
+    """The tests' tiny model (built once into the tests' cache dir, shared with them)."""
+    from devmodel.builder import ensure_model
+
+    return ensure_model(REPO / ".cache" / "test", "tiny")
+
+
 def load_hf_tokenizer(model_dir: Path) -> Any:
     """The tokenizer exactly as the router loads it (so token counts match the pool's)."""
     from transformers import AutoTokenizer
