@@ -32,7 +32,8 @@ PREFIX = "mlxcel"
 
 # Per-request keys expire even when a client or a worker vanishes mid-request.
 REQUEST_TTL_S = 600
-# A worker is alive while its info hash exists; it refreshes this well within the TTL.
+# A worker's info hash lives this long past its last heartbeat; the TTL left is the heartbeat's
+# age, which shared.liveness judges (dead long before the hash expires).
 LIVENESS_TTL_S = 15
 HEARTBEAT_INTERVAL_S = 1.0
 CONTROL_TTL_S = 60
