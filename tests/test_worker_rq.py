@@ -240,3 +240,37 @@ def test_a_worker_restarted_under_its_id_fails_what_its_last_process_left(
     assert failed.get_job_ids() == [rid] and started.count == 0
     job = Job.fetch(rid, connection=r, serializer=MsgpackSerializer)
     assert WORKER_LOST_MARK in job.latest_result().exc_string
+
+
+def test_the_reaper_counts_a_death_only_on_passes_a_second_apart(redis_url) -> None:
+    """After a Redis stall every heartbeat looks old until workers write again, and the passes
+    queued behind the stall run back to back: those must not add up to a live peer's death."""
+    from rq.registry import StartedJobRegistry
+
+    from shared.liveness import WORKER_LOST_MARK, min_alive_pttl_ms
+    from worker.broker.intake import RqIntake, own_queues
+    from worker.broker.presence import WorkerPresence
+    from worker.broker.reaper import REAP_INTERVAL_S, Reaper
+
+    r = redis.Redis.from_url(redis_url)
+
+    def worker_side(wid: str) -> tuple[WorkerPresence, RqIntake]:
+        presence = WorkerPresence(r, wid, own_queues(r, wid), {"worker_id": wid})
+        presence.arrive({})
+        return presence, RqIntake(presence)
+
+    _, peer_intake = worker_side("w9")
+    rid = enqueue(r, [1, 2, 3])
+    assert [t.id for t in peer_intake.take(1, None)] == [rid]  # w9 runs it
+    r.pexpire(keys.worker_info("w9"), min_alive_pttl_ms() - 1000)  # then w9 stops beating
+    now = [100.0]
+    reaper = Reaper(*worker_side("w1"), clock=lambda: now[0])
+    assert reaper.reap() == [] and reaper.reap() == [] and reaper.reap() == []
+    started = StartedJobRegistry(keys.SHARED_QUEUE, connection=r, serializer=MsgpackSerializer)
+    assert started.get_job_ids() == [rid]
+    now[0] += REAP_INTERVAL_S
+    assert reaper.reap() == [rid]
+    job = Job.fetch(rid, connection=r, serializer=MsgpackSerializer)
+    assert job.get_status() == "failed" and WORKER_LOST_MARK in job.latest_result().exc_string
+    assert "mlxcel-w9" not in [w.name for w in Worker.all(connection=r)]
+    assert reaper.reap() == []  # reaped once: the claim holds

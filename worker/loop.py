@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +62,7 @@ class WorkerLoop:
     _queued: int = 0  # jobs waiting in this worker's queues, as the last publish read
     _next_maintenance: float = 0.0
     _next_reap: float = 0.0
+    _maintenance: Future[None] | None = None
 
     def install_signal_handlers(self) -> None:
         def ask_stop(signum: int, _frame: Any) -> None:
@@ -165,9 +167,12 @@ class WorkerLoop:
         if self.presence.beat_due(now):
             writes.liveness = Liveness(self._gauges(), [req.ticket for req in running])
         self.outbox.send(writes)
-        if now >= self._next_reap:  # after this step's publish, on the same thread
+        # After this step's publish, on the same thread; never queued twice (a Redis stall
+        # would pile chores up behind the blocked publish).
+        idle = self._maintenance is None or self._maintenance.done()
+        if now >= self._next_reap and idle:
             self._next_reap = now + REAP_INTERVAL_S
-            self.outbox.after(self._maintain)
+            self._maintenance = self.outbox.after(self._maintain)
 
     def _maintain(self) -> None:
         """Peers' deaths every REAP_INTERVAL_S, rq's own registry cleaning less often."""

@@ -41,9 +41,9 @@ class Outbox:
         reads, self._reads = self._reads, None
         return reads
 
-    def after(self, task: Callable[[], None]) -> None:
+    def after(self, task: Callable[[], None]) -> Future[None]:
         """Run a Redis chore on the publisher thread, after what is queued there."""
-        self._executor.submit(task)
+        return self._executor.submit(task)
 
     def abandon(self) -> None:
         """Forget what was in flight: its connection is gone (the loop is reconnecting)."""

@@ -12,6 +12,8 @@ registration is retired. No stream event is written: the router decides what the
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 
 import redis
 from rq.executions import Execution
@@ -31,14 +33,23 @@ REAP_INTERVAL_S = 1.0
 
 
 class Reaper:
-    def __init__(self, presence: WorkerPresence, intake: RqIntake) -> None:
+    def __init__(
+        self,
+        presence: WorkerPresence,
+        intake: RqIntake,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.presence = presence
         self.intake = intake
         self.r: redis.Redis = presence.connection
-        self._suspects: dict[str, int] = {}  # peer id -> passes in a row it looked dead
+        self.clock = clock
+        # peer id -> (passes in a row it looked dead, when the last of them counted)
+        self._suspects: dict[str, tuple[int, float]] = {}
 
     def reap(self) -> list[str]:
-        """One pass; the ids of the jobs it failed."""
+        """One pass; the ids of the jobs it failed. A pass counts towards a peer's death only
+        REAP_INTERVAL_S after the last one that did: passes run back to back after a Redis
+        stall, when every heartbeat looks old until the peers write again."""
         peers = sorted(
             w for w in (m.decode() for m in self.r.smembers(keys.workers_roster()))
             if w != self.presence.worker_id
@@ -49,12 +60,16 @@ class Reaper:
                 pipe.exists(keys.worker_reaped(wid))
             replies = pipe.execute()
         failed: list[str] = []
+        now = self.clock()
         for i, wid in enumerate(peers):
             pttl, reaped = int(replies[2 * i]), bool(replies[2 * i + 1])
             if is_alive(pttl) or reaped:
                 self._suspects.pop(wid, None)
                 continue
-            seen = self._suspects[wid] = self._suspects.get(wid, 0) + 1
+            seen, counted_at = self._suspects.get(wid, (0, float("-inf")))
+            if now - counted_at >= REAP_INTERVAL_S:
+                seen, counted_at = seen + 1, now
+                self._suspects[wid] = (seen, counted_at)
             if seen >= DEAD_CONFIRMATIONS and self._claim(wid):
                 failed += self._reap(wid, heartbeat_age_s(pttl))
         return failed
