@@ -13,7 +13,7 @@ import httpx
 import pytest
 import redis
 from rq.job import Job
-from rq.registry import StartedJobRegistry
+from rq.registry import CanceledJobRegistry, FinishedJobRegistry, StartedJobRegistry
 
 from shared import keys
 from shared.wire import MsgpackSerializer
@@ -36,7 +36,15 @@ def test_a_client_that_hangs_up_is_let_go(pool: Any, stream: bool) -> None:
     model = httpx.get(f"{pool.url}/health", timeout=10).json()["model"]
     body = {"model": model, "prompt": "The quick brown fox", "max_tokens": MAX_TOKENS,
             "temperature": 0, "stream": stream}  # fmt: skip
-    started = StartedJobRegistry(keys.SHARED_QUEUE, connection=r, **KW)
+    registries = [
+        cls(keys.SHARED_QUEUE, connection=r, **KW)
+        for cls in (StartedJobRegistry, CanceledJobRegistry, FinishedJobRegistry)
+    ]
+
+    def jobs() -> set[str]:
+        return {job_id for registry in registries for job_id in registry.get_job_ids()}
+
+    before = jobs()
 
     def impatient_client() -> None:
         # Non-streaming: it gives up waiting for the body; streaming: it reads a chunk and
@@ -50,15 +58,16 @@ def test_a_client_that_hangs_up_is_let_go(pool: Any, stream: bool) -> None:
 
     thread = threading.Thread(target=impatient_client)
     thread.start()
-    job_id = wait_for(lambda: next(iter(started.get_job_ids()), None), 10, "its job started")
     thread.join(30)
     hung_up = time.monotonic()
+    # The job, in whichever registry it is now (a streaming one may be cancelled already).
+    (job_id,) = wait_for(lambda: jobs() - before, 10, "its job")
     job = Job.fetch(job_id, connection=r, **KW)
     wait_for(lambda: job.get_status() in ("canceled", "finished"), 30, "its job to end")
     assert job.get_status() == "canceled", (job.get_status(), time.monotonic() - hung_up)
     # Let go within a step or two of the router noticing, not after MAX_TOKENS tokens.
     assert time.monotonic() - hung_up < 3
-    assert job.id not in started.get_job_ids()
+    assert job.id not in registries[0].get_job_ids()
     tokens = wait_for(lambda: int(r.hget(keys.worker_cache_counters("w1"), "completion_tokens")
                                   or 0), 10, "counters")  # fmt: skip
     assert tokens < MAX_TOKENS
