@@ -140,7 +140,7 @@ class Dispatcher:
         try:
             while True:
                 lost: StreamEvent | None = None
-                async with aclosing(self._read(attempt, disconnected)) as reader:
+                async with aclosing(self._read(attempt, disconnected, not streamed)) as reader:
                     async for event in reader:
                         if event.kind == "error" and event.error_type == WORKER_LOST:
                             lost = event
@@ -182,18 +182,22 @@ class Dispatcher:
         return _Attempt(again, number=lost.number + 1)
 
     async def _read(
-        self, attempt: _Attempt, disconnected: Disconnected | None
+        self, attempt: _Attempt, disconnected: Disconnected | None, in_flow: bool
     ) -> AsyncIterator[StreamEvent]:
         stream = keys.request_stream(attempt.job_id)
         queue = await self.hub.subscribe(stream)
         try:
-            async for event in self._watch(attempt, queue, disconnected):
+            async for event in self._watch(attempt, queue, disconnected, in_flow):
                 yield event
         finally:
             self.hub.unsubscribe(stream)
 
     async def _watch(
-        self, attempt: _Attempt, queue: asyncio.Queue[Entry], disconnected: Disconnected | None
+        self,
+        attempt: _Attempt,
+        queue: asyncio.Queue[Entry],
+        disconnected: Disconnected | None,
+        in_flow: bool,
     ) -> AsyncIterator[StreamEvent]:
         """Relay the hub's entries in sequence (a duplicate is dropped, a gap ends the request,
         with the worker's own error when one follows the gap: it says why the events were lost);
@@ -231,8 +235,9 @@ class Dispatcher:
                     attempt.worker_id = event.worker_id
                 yield event
                 last_event_at = now
-                # A client that left is let go within a step even while tokens flow.
-                if disconnected is not None and now >= next_client_check:
+                # A client that left is let go within a step even while tokens flow; a streamed
+                # response learns it from its next send, so only a non-streamed one asks.
+                if in_flow and disconnected is not None and now >= next_client_check:
                     next_client_check = now + CLIENT_CHECK_S
                     if await disconnected():
                         return
