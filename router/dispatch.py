@@ -207,6 +207,9 @@ class Dispatcher:
         next_check = last_event_at + JOB_CHECK_INTERVAL_S
         next_client_check = last_event_at + CLIENT_CHECK_S
         job_finished = False
+        # rq's FAILED status is written after the job's last stream event, in the same pipeline:
+        # the worker's own error (with its code) is relayed when it comes; rq's text only if not.
+        pending_failure: StreamEvent | None = None
         while True:
             # Per streamed token: take what the hub already queued without a wait; otherwise
             # wait under asyncio.timeout (wait_for would wrap each get in a new task).
@@ -247,6 +250,9 @@ class Dispatcher:
             if job_finished:  # rq says done, and nothing more came: the worker lost the end
                 yield _error(JOB_FAILED, "the worker finished the job without a final event")
                 return
+            if pending_failure is not None:  # a quiet wait after rq said failed: no event comes
+                yield pending_failure
+                return
             if now - last_event_at >= self.request_timeout_s:
                 yield _error(TIMEOUT, f"no response from a worker in {self.request_timeout_s:g}s")
                 return
@@ -259,8 +265,8 @@ class Dispatcher:
                     continue
                 job_finished = state.finished
                 if state.failure is not None:
-                    yield _error(state.failure_type, state.failure)
-                    return
+                    pending_failure = _error(state.failure_type, state.failure)
+                    continue
                 if state.lost is not None:
                     yield _error(WORKER_LOST, state.lost)
                     return
