@@ -6,7 +6,6 @@ directory, local files only: the router never reaches the network and never impo
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import queue
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
+from shared.block_hash import template_signature
 from shared.model_facts import FALLBACK_CONTEXT, ModelConfigError, model_facts
 
 log = logging.getLogger(__name__)
@@ -28,11 +28,6 @@ class TokenizerLoadError(RuntimeError):
 
 class ChatTemplateError(ValueError):
     """A chat template (the model's or the request's) failed to render."""
-
-
-def template_signature(template: str) -> str:
-    """Short stable id of the chat template text actually used (prompt-cache isolation)."""
-    return hashlib.sha256(template.encode()).hexdigest()[:16]
 
 
 class TokenizerPool:

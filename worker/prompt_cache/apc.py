@@ -6,35 +6,11 @@ whole prefix up to the end of block i is equal (no need to compare the tokens ag
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-HASH_ALGOS = ("sha256", "sha1", "blake2b")
+from shared.block_hash import HASH_ALGOS, BlockHasher
 
-
-@dataclass(frozen=True)
-class BlockHasher:
-    block_size: int = 16
-    algo: str = "sha256"
-
-    def __post_init__(self) -> None:
-        if self.algo not in HASH_ALGOS:
-            raise ValueError(f"unknown APC hash {self.algo!r}; expected one of {HASH_ALGOS}")
-        if self.block_size < 1:
-            raise ValueError("block_size must be >= 1")
-
-    def chain(self, tokens: Sequence[int], seed: bytes = b"") -> list[bytes]:
-        """The chained hash of every *full* block of `tokens` (a partial tail has no hash)."""
-        bs = self.block_size
-        out: list[bytes] = []
-        parent = seed
-        for start in range(0, len(tokens) - bs + 1, bs):
-            block = array("q", tokens[start : start + bs]).tobytes()
-            parent = hashlib.new(self.algo, parent + block).digest()
-            out.append(parent)
-        return out
+__all__ = ["HASH_ALGOS", "BlockHasher", "agreeing_blocks", "clamp_to_blocks"]
 
 
 def agreeing_blocks(a: Sequence[bytes], b: Sequence[bytes]) -> int:

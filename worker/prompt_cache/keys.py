@@ -2,22 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from shared.block_hash import CacheNamespace
+
+__all__ = ["ANONYMOUS_SESSION", "CacheNamespace", "session_key"]
 
 ANONYMOUS_SESSION = ""
-
-
-@dataclass(frozen=True)
-class CacheNamespace:
-    """KV is only reusable under the same weights, adapter and chat template."""
-
-    model_id: str
-    adapter_id: str = ""
-    template_signature: str = ""
-
-    def seed(self) -> bytes:
-        """Bytes that start every hash chain, so equal tokens in two namespaces never collide."""
-        return f"{self.model_id}\x00{self.adapter_id}\x00{self.template_signature}".encode()
 
 
 def session_key(prompt_cache_key: str | None = None, user: str | None = None) -> str:
