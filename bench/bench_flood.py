@@ -218,7 +218,7 @@ class Depths:
     def __init__(self, redis_url: str) -> None:
         sync = redis.Redis.from_url(redis_url)
         # rq names its own queue keys; build them through rq, as /health does.
-        self.queue_keys = [Queue(keys.SHARED_QUEUE, connection=sync).key] + [
+        self.queue_keys = [Queue(keys.model_queue_name("mlxcel-tiny-s0"), connection=sync).key] + [
             Queue(keys.worker_queue_name(w), connection=sync).key for w in WORKERS
         ]
         sync.close()

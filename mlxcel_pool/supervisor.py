@@ -238,15 +238,19 @@ class Pool:
 
     # --- workers ---------------------------------------------------------------------------
 
-    def start_worker(self, worker_id: str, env: dict[str, str] | None = None) -> None:
-        """Start worker `worker_id`; `env` is added to its environment (and kept for restarts)."""
+    def start_worker(
+        self, worker_id: str, env: dict[str, str] | None = None, model: Path | None = None
+    ) -> None:
+        """Start worker `worker_id`; `env` is added to its environment (and kept for restarts).
+        `model`: the model directory it serves (default: the pool's; another one adds that
+        model to the pool, as its routers discover it)."""
         if self.model_path is None:
             raise PoolError("start the pool before adding workers")
         child = self._children.get(worker_id)
         if child is not None and child.process.poll() is None:
             raise PoolError(f"worker {worker_id} is already running")
         self._spawn(worker_id, ["worker", "--worker-id", worker_id,
-                                "--model", str(self.model_path)], env)  # fmt: skip
+                                "--model", str(model or self.model_path)], env)  # fmt: skip
 
     def stop_worker(self, worker_id: str, sig: int = signal.SIGTERM) -> int:
         """Send `sig` to the worker's process group and wait (SIGKILL after the grace period).

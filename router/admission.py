@@ -33,6 +33,7 @@ class Outcome(enum.StrEnum):
     UNKNOWN_MODEL = "unknown_model"
     CONTEXT_EXCEEDED = "context_exceeded"
     POOL_BUSY = "pool_busy"
+    NO_WORKER = "no_worker"
 
 
 # Outcome -> (status, error type, error code): the one place a refusal picks its status.
@@ -41,6 +42,7 @@ OUTCOME_ERRORS: dict[Outcome, tuple[int, str, str | None]] = {
     Outcome.UNKNOWN_MODEL: (404, "invalid_request_error", "model_not_found"),
     Outcome.CONTEXT_EXCEEDED: (400, "invalid_request_error", "context_length_exceeded"),
     Outcome.POOL_BUSY: (429, "rate_limit_error", "rate_limit_exceeded"),
+    Outcome.NO_WORKER: (503, "server_error", "no_live_worker"),
 }
 
 

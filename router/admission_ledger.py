@@ -15,56 +15,77 @@ import asyncio
 import logging
 from contextlib import suppress
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import redis
 import redis.asyncio as aioredis
 
+from router.routing_metrics import observe_start
 from shared import keys
-from shared.config import AdmissionConfig
+from shared.config import AdmissionConfig, PromptCacheConfig, RoutingConfig
 from shared.liveness import min_alive_pttl_ms
 
 log = logging.getLogger(__name__)
 
-RESERVE_LUA = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local lapsed = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
-for i = 1, #lapsed, 1000 do
-  redis.call('HDEL', KEYS[2], unpack(lapsed, i, math.min(i + 999, #lapsed)))
-end
-if #lapsed > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now) end
-local limit = tonumber(ARGV[4])
-local per_worker = tonumber(ARGV[5])
-if per_worker > 0 then
-  local at = string.find(ARGV[8], '{wid}', 1, true)
-  local min_pttl = tonumber(ARGV[7])
-  local live = 0
-  for _, wid in ipairs(redis.call('SMEMBERS', KEYS[3])) do
-    local info = string.sub(ARGV[8], 1, at - 1) .. wid .. string.sub(ARGV[8], at + 5)
-    if redis.call('PTTL', info) > min_pttl then live = live + 1 end
+# Admission and placement: one script (router/placement.lua), so a bound and a worker's slot
+# are decided and reserved together.
+PLACE_LUA = (Path(__file__).with_name("placement.lua")).read_text()
+
+# A request started: its prompt tokens stop waiting, and its load entry follows the worker that
+# took it (a stealing peer, or any worker off the shared queue), lapsing with its reservation.
+STARTED_LUA = """
+redis.call('HDEL', KEYS[1], ARGV[1])
+if KEYS[2] ~= '' then redis.call('HDEL', KEYS[2], ARGV[1]) end
+if KEYS[3] ~= KEYS[4] then
+  if KEYS[3] ~= '' then redis.call('ZREM', KEYS[3], ARGV[1]) end
+  local score = redis.call('ZSCORE', KEYS[5], ARGV[1])
+  if score then
+    redis.call('ZADD', KEYS[4], score, ARGV[1])
+    redis.call('PEXPIRE', KEYS[4], ARGV[2])
   end
-  if live > 0 and (limit == 0 or per_worker * live < limit) then limit = per_worker * live end
 end
-local n = redis.call('ZCARD', KEYS[1])
-if limit > 0 and n >= limit then return {0, 'inflight', n, limit} end
-local tokens = tonumber(ARGV[3])
-local max_queued = tonumber(ARGV[6])
-if max_queued > 0 then
-  local queued = 0
-  for _, v in ipairs(redis.call('HVALS', KEYS[2])) do queued = queued + tonumber(v) end
-  if queued > 0 and queued + tokens > max_queued then return {0, 'tokens', queued, max_queued} end
-end
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
-if tokens > 0 then redis.call('HSET', KEYS[2], ARGV[1], tokens) end
-return {1, 'ok', n + 1, limit}
+return 1
 """
 
 # Extends only reservations still held (XX): one that lapsed meanwhile stays released.
+# A request ended: its reservations go, and so do the routed marks it wrote, unless a later
+# placement of the same blocks rewrote them (then that request's end removes them).
+# KEYS: inflight, queued, load, prefill, routed ('' for the last three: none)
+# ARGV: request id, the marks' score, the members
+RELEASE_LUA = """
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+if KEYS[3] == '' then return 0 end
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('HDEL', KEYS[4], ARGV[1])
+local mine, gone = ARGV[2], 0
+if #ARGV < 3 or mine == '0' then return 0 end
+local scores = redis.call('ZMSCORE', KEYS[5], unpack(ARGV, 3))
+local stale = {}
+for i, score in ipairs(scores) do
+  if score and tonumber(score) == tonumber(mine) then stale[#stale + 1] = ARGV[i + 2] end
+end
+for i = 1, #stale, 1000 do
+  gone = gone + redis.call('ZREM', KEYS[5], unpack(stale, i, math.min(i + 999, #stale)))
+end
+return gone
+"""
+
+# ARGV: ttl ms, then (request id, its worker's load key or '') pairs.
 REFRESH_LUA = """
 local t = redis.call('TIME')
-local expiry = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[1])
-for i = 2, #ARGV do redis.call('ZADD', KEYS[1], 'XX', expiry, ARGV[i]) end
-return #ARGV - 1
+local ttl = tonumber(ARGV[1])
+local expiry = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + ttl
+for i = 2, #ARGV, 2 do
+  redis.call('ZADD', KEYS[1], 'XX', expiry, ARGV[i])
+  local load = ARGV[i + 1]
+  if load ~= '' then
+    redis.call('ZADD', load, 'XX', expiry, ARGV[i])
+    redis.call('PEXPIRE', load, ttl)
+  end
+end
+return (#ARGV - 1) / 2
 """
 
 
@@ -85,57 +106,122 @@ class Refusal:
         )
 
 
+@dataclass(frozen=True)
+class Placement:
+    """An admitted request and where it goes: `worker_id` "" means the model's shared queue (no
+    live worker yet: the first to come takes it)."""
+
+    outcome: str  # cache | spill | load | round_robin | no_worker
+    worker_id: str
+    predicted_tokens: int
+    cost: int
+
+
+def _text(v: object) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
 class AdmissionLedger:
     def __init__(
-        self, config: AdmissionConfig, sync_redis: redis.Redis, aredis: aioredis.Redis
+        self,
+        config: AdmissionConfig,
+        routing: RoutingConfig,
+        prompt_cache: PromptCacheConfig,
+        sync_redis: redis.Redis,
+        aredis: aioredis.Redis,
     ) -> None:
         self.config = config
-        self._reserve = sync_redis.register_script(RESERVE_LUA)
+        self.routing = routing
+        self.block_size = prompt_cache.apc_block_size
+        # A worker adopts no match shorter than this, so shorter ones are worth nothing.
+        self.min_match = max(prompt_cache.min_prefix_tokens, 1)
+        self._place = sync_redis.register_script(PLACE_LUA)
+        self._started = aredis.register_script(STARTED_LUA)
         self._refresh = aredis.register_script(REFRESH_LUA)
+        self._release_async = aredis.register_script(RELEASE_LUA)
+        self._release_sync = sync_redis.register_script(RELEASE_LUA)
         self.aredis = aredis
         self._ttl_ms = int(config.reservation_ttl_s * 1000)
-        self._held: set[str] = set()  # this process's reservations (by original request id)
+        # this process's reservations: original request id -> the worker it is placed on ("")
+        self._held: dict[str, str] = {}
+        # the routed marks each wrote: request id -> (worker, their score, the members)
+        self._marks: dict[str, tuple[str, int, list[bytes]]] = {}
         self._task: asyncio.Task[None] | None = None
 
-    def reserve(self, request_id: str, prompt_tokens: int) -> Refusal | None:
-        """Reserve a place for the request (blocking: call it off the event loop); a Refusal
-        when the pool is at a bound."""
-        c = self.config
-        reply = self._reserve(
+    def reserve(
+        self, request_id: str, prompt_tokens: int, model_id: str, members: list[bytes]
+    ) -> Placement | Refusal:
+        """Admit and place the request (blocking: call it off the event loop): a Placement, or
+        a Refusal when the pool is at a bound. `members` are the prompt's block index members
+        (shared.block_hash.index_members), in order."""
+        c, r = self.config, self.routing
+        t = keys.WORKER_KEY_TEMPLATES
+        reply = self._place(
             keys=[keys.admission_inflight(), keys.admission_queued_tokens(),
-                  keys.workers_roster()],
+                  keys.workers_roster(), keys.routing_stats(), keys.routing_cursor()],
             args=[request_id, self._ttl_ms, prompt_tokens, c.max_inflight,
                   c.max_inflight_per_worker, c.max_queued_prompt_tokens, min_alive_pttl_ms(),
-                  keys.WORKER_KEY_TEMPLATES["info"]],
+                  t["info"], t["blocks"], t["routed"], t["load"], t["prefill"], model_id,
+                  r.policy, self.block_size, self.min_match, r.decode_weight,
+                  r.balance_abs_threshold, r.balance_rel_threshold, keys.ROUTED_TTL_S * 1000,
+                  *members],
         )  # fmt: skip
         if int(reply[0]) != 1:
-            reason = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
-            return Refusal(reason, int(reply[2]), int(reply[3]))
-        self._held.add(request_id)
-        return None
+            return Refusal(_text(reply[1]), int(reply[2]), int(reply[3]))
+        placement = Placement(_text(reply[1]), _text(reply[2]), int(reply[3]), int(reply[4]))
+        self._held[request_id] = placement.worker_id
+        if int(reply[7]):
+            self._marks[request_id] = (placement.worker_id, int(reply[7]), members)
+        return placement
 
-    async def started(self, request_id: str) -> None:
-        """A worker started the request: its prompt tokens are no longer waiting."""
-        with suppress(redis.RedisError):
-            await self.aredis.hdel(keys.admission_queued_tokens(), request_id)
+    async def started(self, request_id: str, worker_id: str, cached_tokens: int) -> None:
+        """A worker started the request: its prompt tokens are no longer waiting; the placement
+        follows the worker that took it (a stealing peer, or any worker off the shared queue),
+        and what it reused is counted beside what the router predicted."""
+        placed = self._held.get(request_id, "")
+        if not worker_id:
+            return
+        self._held[request_id] = worker_id
+        observe_start(worker_id, cached_tokens)
+        try:
+            await self._started(
+                keys=[keys.admission_queued_tokens(),
+                      keys.worker_prefill(placed) if placed else "",
+                      keys.worker_load(placed) if placed else "", keys.worker_load(worker_id),
+                      keys.admission_inflight()],
+                args=[request_id, keys.ROUTED_TTL_S * 1000],
+            )  # fmt: skip
+            async with self.aredis.pipeline(transaction=False) as pipe:
+                stats = keys.routing_stats()
+                pipe.hincrby(stats, f"reused_tokens:{worker_id}", cached_tokens)
+                pipe.hincrby(stats, f"started:{worker_id}", 1)
+                if placed and placed != worker_id:
+                    pipe.hincrby(stats, f"taken_over:{worker_id}", 1)
+                await pipe.execute()
+        except redis.RedisError:
+            log.warning("could not record the start of %s", request_id, exc_info=True)
 
     async def release(self, request_id: str) -> None:
-        self._held.discard(request_id)
         try:
-            async with self.aredis.pipeline(transaction=False) as pipe:
-                pipe.zrem(keys.admission_inflight(), request_id)
-                pipe.hdel(keys.admission_queued_tokens(), request_id)
-                await pipe.execute()
+            await self._release_async(**self._release_call(request_id))
         except redis.RedisError:  # it lapses on its own within reservation_ttl_s
             log.warning("could not release the reservation of %s", request_id, exc_info=True)
 
     def release_sync(self, request_id: str, client: redis.Redis) -> None:
         """Release from a worker thread (an enqueue that failed after its reservation)."""
-        self._held.discard(request_id)
-        with suppress(redis.RedisError), client.pipeline(transaction=False) as pipe:
-            pipe.zrem(keys.admission_inflight(), request_id)
-            pipe.hdel(keys.admission_queued_tokens(), request_id)
-            pipe.execute()
+        with suppress(redis.RedisError):
+            self._release_sync(**self._release_call(request_id), client=client)
+
+    def _release_call(self, request_id: str) -> dict[str, Any]:
+        worker_id = self._held.pop(request_id, "")
+        marked, score, members = self._marks.pop(request_id, ("", 0, []))
+        placed = [keys.worker_load(worker_id), keys.worker_prefill(worker_id)] if worker_id else [
+            "", ""]  # fmt: skip
+        routed = keys.worker_routed(marked) if marked else ""
+        return {
+            "keys": [keys.admission_inflight(), keys.admission_queued_tokens(), *placed, routed],
+            "args": [request_id, score if marked else 0, *members],
+        }
 
     # -- keeping this process's reservations alive -------------------------------------------
 
@@ -151,10 +237,13 @@ class AdmissionLedger:
     async def _keep_alive(self) -> None:
         while True:
             await asyncio.sleep(self.config.reservation_ttl_s / 3)
-            held = list(self._held)
+            held = list(self._held.items())
             if not held:
                 continue
+            args: list[object] = [self._ttl_ms]
+            for rid, wid in held:
+                args += [rid, keys.worker_load(wid) if wid else ""]
             try:
-                await self._refresh(keys=[keys.admission_inflight()], args=[self._ttl_ms, *held])
+                await self._refresh(keys=[keys.admission_inflight()], args=args)
             except redis.RedisError as exc:
                 log.warning("could not refresh %d reservation(s): %s", len(held), exc)

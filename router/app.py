@@ -26,11 +26,14 @@ from router.body_limit import BodyLimit
 from router.cache_stats import register_pool_script
 from router.dispatch import Dispatcher, build_queue
 from router.errors import install_error_handlers
+from router.model_catalog import ModelCatalog
 from router.routes import cache, chat, completions, health, metrics, models
 from router.serve import SETTINGS_ENV
 from router.state import RouterState
 from router.stream_hub import StreamHub
 from router.tokenization import load_tokenizer
+from shared.block_hash import BlockHasher, canary
+from shared.canary_check import check_against_workers
 from shared.config import Settings, load_settings
 from shared.gc_freeze import freeze_startup_heap
 from shared.metrics import init_reject_labels
@@ -68,35 +71,47 @@ async def _build_state(settings: Settings) -> RouterState:
         sync_redis.close()
         shown = masked_url(settings.redis.url)  # the error is logged: never the password
         raise RuntimeError(f"cannot reach Redis at {shown}: {exc}") from exc
-    queue = build_queue(sync_redis)
+    queue = build_queue(sync_redis, model_id)
     hub = StreamHub(settings.redis)
     await hub.start()
-    ledger = AdmissionLedger(settings.admission, sync_redis, aredis)
+    pc = settings.prompt_cache
+    hasher = BlockHasher(pc.apc_block_size, pc.apc_hash)
+    await anyio.to_thread.run_sync(
+        check_against_workers, sync_redis, model_id, canary(tokenizer.hf, model_id, hasher)
+    )
+    ledger = AdmissionLedger(
+        settings.admission, settings.routing, settings.prompt_cache, sync_redis, aredis
+    )
     await ledger.start()
     dispatcher = Dispatcher(
         sync_redis=sync_redis,
         aredis=aredis,
         hub=hub,
-        queue=queue,
         job_timeout_s=settings.worker.job_timeout_s,
         request_timeout_s=settings.router.request_timeout_s,
         ledger=ledger,
     )
+    admission = AdmissionContext(
+        model_id,
+        tokenizer,
+        settings.worker.default_max_tokens,
+        settings.router.trust_request_chat_template,
+    )
+    created = int(model_dir.stat().st_mtime)
     return RouterState(
         settings=settings,
         model_dir=model_dir,
         model_id=model_id,
-        admission=AdmissionContext(
-            model_id,
-            tokenizer,
-            settings.worker.default_max_tokens,
-            settings.router.trust_request_chat_template,
-        ),
+        admission=admission,
+        catalog=ModelCatalog(
+            admission, created, sync_redis, hasher, settings.router.tokenizer_copies
+        ),  # fmt: skip
         dispatcher=dispatcher,
         aredis=aredis,
         pool_script=register_pool_script(aredis),
         queue_key=queue.key,
-        model_created=int(model_dir.stat().st_mtime),
+        model_created=created,
+        hasher=hasher,
     )
 
 

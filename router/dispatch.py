@@ -101,17 +101,28 @@ class Dispatcher:
     sync_redis: redis.Redis
     aredis: aioredis.Redis
     hub: StreamHub
-    queue: Queue
     job_timeout_s: int
     request_timeout_s: float
     ledger: AdmissionLedger
+    _queues: dict[str, Queue] = dataclasses.field(default_factory=dict)
 
-    def enqueue(self, req: GenerationRequest) -> None:
-        """Put the job on the shared queue (blocking: call it off the event loop)."""
+    def queue_for(self, worker_id: str, model_id: str) -> Queue:
+        """The worker's own rq queue, or ("" for the worker) the model's shared one, which every
+        worker of the model reads after its own."""
+        name = keys.worker_queue_name(worker_id) if worker_id else keys.model_queue_name(model_id)
+        q = self._queues.get(name)
+        if q is None:
+            q = self._queues[name] = Queue(name, connection=self.sync_redis,
+                                           serializer=MsgpackSerializer)  # fmt: skip
+        return q
+
+    def enqueue(self, req: GenerationRequest, worker_id: str = "") -> None:
+        """Put the job on the worker's queue, or the shared one (blocking: call it off the
+        event loop)."""
         # rq's enqueue in one transaction (one round trip instead of rq's own two or three):
         # the job hash, its TTLs and the queue push land together or not at all.
         with self.sync_redis.pipeline() as pipe:
-            self.queue.enqueue_call(
+            self.queue_for(worker_id, req.model).enqueue_call(
                 func=JOB_FUNC,
                 kwargs={"request": req.to_wire()},
                 job_id=req.request_id,
@@ -149,7 +160,9 @@ class Dispatcher:
                         relayed_tokens = relayed_tokens or (streamed and event.kind == "delta")
                         if event.kind == "start" and not started:
                             started = True
-                            await self.ledger.started(gen.request_id)
+                            await self.ledger.started(
+                                gen.request_id, event.worker_id or "", event.cached_tokens
+                            )
                         yield event
                         if attempt.finished:
                             return
@@ -174,7 +187,8 @@ class Dispatcher:
                 await self.ledger.release(gen.request_id)
 
     async def _requeue(self, lost: _Attempt) -> _Attempt:
-        """The next attempt, under a new job id (the lost worker's job keeps its own); the lost
+        """The next attempt, under a new job id (the lost worker's job keeps its own), on the
+        shared queue (any live worker takes it; the lost one may still look live); the lost
         job gets its cancel flag, so a worker that was only slow drops it instead of racing."""
         await self._cleanup(lost.job_id, cancel=True)
         again = dataclasses.replace(lost.gen, request_id=f"{lost.gen.request_id}-{lost.number}")
@@ -345,5 +359,6 @@ def _error(error_type: str, message: str) -> StreamEvent:
     return StreamEvent(kind="error", error=message, error_type=error_type)
 
 
-def build_queue(sync_redis: redis.Redis) -> Queue:
-    return Queue(keys.SHARED_QUEUE, connection=sync_redis, serializer=MsgpackSerializer)
+def build_queue(sync_redis: redis.Redis, model_id: str) -> Queue:
+    return Queue(keys.model_queue_name(model_id), connection=sync_redis,
+                 serializer=MsgpackSerializer)  # fmt: skip

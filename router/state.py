@@ -12,6 +12,8 @@ from redis.commands.core import AsyncScript
 
 from router.admission import AdmissionContext
 from router.dispatch import Dispatcher
+from router.model_catalog import ModelCatalog
+from shared.block_hash import BlockHasher
 from shared.config import Settings
 
 
@@ -20,13 +22,16 @@ class RouterState:
     settings: Settings
     model_dir: Path
     model_id: str
-    admission: AdmissionContext
+    admission: AdmissionContext  # the router's own model's
+    catalog: ModelCatalog  # every model the pool serves
     dispatcher: Dispatcher
     aredis: aioredis.Redis
     pool_script: AsyncScript
     queue_key: str
     # `created` of the model object: the model directory's mtime, read once at startup.
     model_created: int
+    # The prompt cache's block hashing, for routing (shared.block_hash).
+    hasher: BlockHasher
 
 
 def get_state(request: Request) -> RouterState:

@@ -81,7 +81,7 @@ LAST_REJECT_HASH_FIELDS: tuple[str, ...] = tuple(f"last_reject_{f}" for f in LAS
 # The worker's identity in its info hash, beside its gauges and settings.
 INFO_FIELDS: tuple[str, ...] = (
     "worker_id", "model", "pid", "host", "started_at", "rq_name", "batch_size",
-    "storage_modes", "last_seen",
+    "storage_modes", "last_seen", "epoch", "model_dir",
 )  # fmt: skip
 
 # The spec's field order for `/v1/cache/stats`.

@@ -74,6 +74,20 @@ class AdmissionConfig(_Section):
     retry_after_s: int = Field(1, ge=1)
 
 
+class RoutingConfig(_Section):
+    """Where a request goes among the live workers of its model (docs/routing.md)."""
+
+    policy: Literal["cache_aware", "least_loaded", "round_robin"] = "cache_aware"
+    # A running sequence weighs this many prompt tokens in a worker's cost.
+    decode_weight: int = Field(16, ge=0)
+    # Load alone decides once the busiest worker runs this many more sequences than the idlest
+    # and this many times as many (SGLang's imbalance gate).
+    balance_abs_threshold: int = Field(32, ge=0)
+    balance_rel_threshold: float = Field(1.5, ge=1.0)
+    # An idle worker takes a job that waited this long in a busy peer's queue.
+    steal_after_ms: float = Field(500, ge=0)
+
+
 class ModelConfig(_Section):
     path: str = ""
     id: str = ""
@@ -156,6 +170,7 @@ class Settings(_Section):
     redis: RedisConfig = RedisConfig()
     router: RouterConfig = RouterConfig()
     admission: AdmissionConfig = AdmissionConfig()
+    routing: RoutingConfig = RoutingConfig()
     model: ModelConfig = ModelConfig()
     worker: WorkerConfig = WorkerConfig()
     prompt_cache: PromptCacheConfig = PromptCacheConfig()
@@ -186,6 +201,11 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "MLXCEL_MAX_QUEUED_PROMPT_TOKENS": ("admission", "max_queued_prompt_tokens"),
     "MLXCEL_RESERVATION_TTL_S": ("admission", "reservation_ttl_s"),
     "MLXCEL_RETRY_AFTER_S": ("admission", "retry_after_s"),
+    "MLXCEL_ROUTING_POLICY": ("routing", "policy"),
+    "MLXCEL_ROUTING_DECODE_WEIGHT": ("routing", "decode_weight"),
+    "MLXCEL_ROUTING_BALANCE_ABS": ("routing", "balance_abs_threshold"),
+    "MLXCEL_ROUTING_BALANCE_REL": ("routing", "balance_rel_threshold"),
+    "MLXCEL_STEAL_AFTER_MS": ("routing", "steal_after_ms"),
     "MLXCEL_HOST": ("router", "host"),
     "MLXCEL_PORT": ("router", "port"),
     "MLXCEL_ROUTER_PROCESSES": ("router", "processes"),

@@ -22,6 +22,16 @@ script (Redis time there grows with the number of calls).
 | `mlxcel:router:<hub_id>:wake` | stream | one router process (its stream hub) | REQUEST_TTL_S |
 | `mlxcel:admission:inflight` | zset | routers: admission ledger | none: members lapse by score |
 | `mlxcel:admission:queued` | hash | routers: unstarted prompt tokens | none: goes with members |
+| `mlxcel:worker:<wid>:blocks:<epoch>` | set | worker: its cache's block hashes | LIVENESS_TTL_S |
+| `mlxcel:worker:<wid>:routed` | zset | routers: blocks routed there, prefilling | ROUTED_TTL_S |
+| `mlxcel:worker:<wid>:load` | zset | routers: requests placed there | ROUTED_TTL_S |
+| `mlxcel:worker:<wid>:prefill` | hash | routers: unstarted requests' tokens | ROUTED_TTL_S |
+| `mlxcel:routing:stats` | hash | routers: decisions, predicted vs reused tokens | none |
+| `mlxcel:routing:canary` | hash | routers and workers: model id -> canary hash | none |
+| `mlxcel:routing:rr` | string | routers: the round-robin cursor | none |
+
+The block index is fenced by the worker's epoch (new at every process start, in its info hash):
+a restarted or zombie process writes under an epoch nobody reads, and its keys lapse.
 """
 
 from __future__ import annotations
@@ -40,13 +50,24 @@ CONTROL_TTL_S = 60
 # A dead worker's reaped claim outlives any restart delay; the worker clears it when it starts.
 REAPED_TTL_S = 3600
 
+# A placed request's routed blocks and load entry lapse this long after their router last
+# refreshed them (a crashed router's placements free themselves).
+ROUTED_TTL_S = 30
+
 # rq queue names (rq builds `rq:queue:<name>` itself).
-SHARED_QUEUE = "mlxcel"
+QUEUE_PREFIX = "mlxcel"
 
 
 def worker_queue_name(worker_id: str) -> str:
-    """Per-worker rq queue (cache-aware routing sends work here; workers listen on it first)."""
-    return f"{SHARED_QUEUE}.worker.{worker_id}"
+    """Per-worker rq queue (routing places work here; the worker listens on it first)."""
+    return f"{QUEUE_PREFIX}.worker.{worker_id}"
+
+
+def model_queue_name(model_id: str) -> str:
+    """A model's shared rq queue, read by every worker of the model after its own: requests
+    wait here while no worker of the model is live, and a request whose worker died runs again
+    from here."""
+    return f"{QUEUE_PREFIX}.model.{model_id}"
 
 
 _RQ_WORKER_PREFIX = "mlxcel-"
@@ -107,6 +128,43 @@ def admission_queued_tokens() -> str:
     return f"{PREFIX}:admission:queued"
 
 
+def worker_blocks(worker_id: str, epoch: str) -> str:
+    """The block hashes (shared.block_hash.index_members) the worker's prompt cache holds, plus
+    INDEX_MARKER, so a lost index (Redis restart, flush) is told from an empty one."""
+    return f"{PREFIX}:worker:{worker_id}:blocks:{epoch}"
+
+
+# Always a member of a live worker's block set: the set exists while the worker's index does.
+INDEX_MARKER = b"-"
+
+
+def worker_routed(worker_id: str) -> str:
+    """Blocks of requests routed to the worker and not yet in its cache, scored by lapse (ms)."""
+    return f"{PREFIX}:worker:{worker_id}:routed"
+
+
+def worker_load(worker_id: str) -> str:
+    """Requests placed on the worker and not yet ended, scored by when the placement lapses."""
+    return f"{PREFIX}:worker:{worker_id}:load"
+
+
+def worker_prefill(worker_id: str) -> str:
+    """Placed requests the worker has not started: request id -> prompt tokens it must compute."""
+    return f"{PREFIX}:worker:{worker_id}:prefill"
+
+
+def routing_stats() -> str:
+    return f"{PREFIX}:routing:stats"
+
+
+def routing_canary() -> str:
+    return f"{PREFIX}:routing:canary"
+
+
+def routing_cursor() -> str:
+    return f"{PREFIX}:routing:rr"
+
+
 def router_wake(hub_id: str) -> str:
     """A router process's own stream: a write here wakes its blocked multi-stream XREAD."""
     return f"{PREFIX}:router:{hub_id}:wake"
@@ -117,6 +175,10 @@ def router_wake(hub_id: str) -> str:
 WORKER_KEY_TEMPLATES: dict[str, str] = {
     "info": worker_info("{wid}"),
     "counters": worker_cache_counters("{wid}"),
+    "blocks": worker_blocks("{wid}", "{epoch}"),
+    "routed": worker_routed("{wid}"),
+    "load": worker_load("{wid}"),
+    "prefill": worker_prefill("{wid}"),
 }
 
 
@@ -136,11 +198,15 @@ def parse_key(key: str) -> ParsedKey:
         return ParsedKey("workers", "", "")
     if len(parts) == 3 and parts[1] == "admission" and parts[2] in ("inflight", "queued"):
         return ParsedKey("admission", "", parts[2])
+    if len(parts) == 3 and parts[1] == "routing" and parts[2] in ("stats", "canary", "rr"):
+        return ParsedKey("routing", "", parts[2])
+    if len(parts) == 5 and parts[1] == "worker" and parts[2] and parts[3] == "blocks" and parts[4]:
+        return ParsedKey("worker", parts[2], "blocks")
     if len(parts) >= 4 and parts[1] in ("req", "worker", "control", "router") and parts[2]:
         part = ":".join(parts[3:])
         allowed = {
             "req": {"stream", "cancel"},
-            "worker": {"info", "cache:counters", "control", "reaped"},
+            "worker": {"info", "cache:counters", "control", "reaped", "routed", "load", "prefill"},
             "control": {"reply"},
             "router": {"wake"},
         }[parts[1]]

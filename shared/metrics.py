@@ -86,10 +86,32 @@ REQUEST_DECODE_TOK_S = Histogram(
 )
 
 
+# Routing (router side; outcomes as router/placement.lua names them).
+ROUTING_OUTCOMES = ("cache", "spill", "load", "round_robin", "no_worker")
+ROUTING_DECISIONS = Counter(
+    "mlxcel_routing_decisions", "Routing decisions by outcome.", ["outcome"]
+)
+ROUTING_PREDICTED_TOKENS = Histogram(
+    "mlxcel_routing_predicted_cached_tokens",
+    "Prompt tokens the router predicted the chosen worker holds.",
+    buckets=(0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768),
+)
+ROUTING_PREDICTED_TOTAL = Counter(
+    "mlxcel_routing_predicted_tokens", "Cached prompt tokens predicted at routing.", ["worker"]
+)
+ROUTING_REUSED_TOTAL = Counter(
+    "mlxcel_routing_reused_tokens",
+    "Cached prompt tokens the worker actually reused, for requests routed to it.",
+    ["worker"],
+)
+
+
 def init_reject_labels() -> None:
     """Create every reject series at 0 so dashboards see all seven reasons from the start."""
     for reason in REJECT_REASONS:
         PROMPT_CACHE_REJECTS.labels(reason.value).inc(0)
+    for outcome in ROUTING_OUTCOMES:
+        ROUTING_DECISIONS.labels(outcome).inc(0)
 
 
 def multiprocess_active() -> bool:

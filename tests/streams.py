@@ -18,12 +18,16 @@ from shared.wire import (
     StreamEvent,
 )
 
+# The tests' workers serve the tiny model: its shared queue is where a test plays the router.
+TINY_MODEL = "mlxcel-tiny-s0"
+SHARED_QUEUE = keys.model_queue_name(TINY_MODEL)
+
 
 def enqueue(
     r: redis.Redis,
     prompt_tokens: list[int],
     max_tokens: int = 8,
-    queue: str = keys.SHARED_QUEUE,
+    queue: str = SHARED_QUEUE,
     **fields: Any,
 ) -> str:
     rid = uuid.uuid4().hex
@@ -35,7 +39,7 @@ def enqueue(
 
 
 def enqueue_raw(
-    r: redis.Redis, job_id: str, kwargs: dict[str, Any], queue: str = keys.SHARED_QUEUE
+    r: redis.Redis, job_id: str, kwargs: dict[str, Any], queue: str = SHARED_QUEUE
 ) -> None:
     q = Queue(queue, connection=r, serializer=MsgpackSerializer)
     q.enqueue_call(func=JOB_FUNC, kwargs=kwargs, job_id=job_id, result_ttl=600, ttl=600)
@@ -59,3 +63,9 @@ def read_events(r: redis.Redis, rid: str, timeout: float = 60.0) -> list[StreamE
 
 def generated_tokens(events: list[StreamEvent]) -> list[int]:
     return [t for e in events if e.kind == "delta" for t in e.token_ids]
+
+
+def pool_queues(worker_ids: list[str] | tuple[str, ...] = ("w1", "w2", "w3")) -> list[str]:
+    """The queues a pool's jobs may sit or run in: the tiny model's shared one and each worker's
+    own (routing places requests on a worker's own queue)."""
+    return [SHARED_QUEUE, *(keys.worker_queue_name(w) for w in worker_ids)]

@@ -17,29 +17,54 @@ import redis.asyncio as aioredis
 from rq import Queue
 
 from router.admission import MAX_CHARS_PER_TOKEN, AdmissionContext, admit_chat
-from router.admission_ledger import AdmissionLedger
+from router.admission_ledger import AdmissionLedger, Refusal
 from router.openai_types import ChatCompletionRequest
 from router.tokenization import load_tokenizer
 from shared import keys
-from shared.config import AdmissionConfig, RouterConfig, Settings
+from shared.config import (
+    AdmissionConfig,
+    PromptCacheConfig,
+    RouterConfig,
+    RoutingConfig,
+    Settings,
+)
 from shared.liveness import min_alive_pttl_ms
 from shared.wire import MsgpackSerializer
 from tests.pool_fixture import running_pool, wait_for
+from tests.streams import SHARED_QUEUE
 from tests.test_router_validation import RouterServer, router_settings
 
 # --- the ledger alone, on a real Redis ------------------------------------------------------------
 
 
-def _ledger(redis_url: str, **bounds: Any) -> AdmissionLedger:
+class _Ledger:
+    """The ledger as the admission tests read it: reserve answers None (admitted) or a Refusal."""
+
+    def __init__(self, ledger: AdmissionLedger) -> None:
+        self.ledger = ledger
+
+    def reserve(self, rid: str, tokens: int) -> Refusal | None:
+        placed = self.ledger.reserve(rid, tokens, MODEL, [])
+        return placed if isinstance(placed, Refusal) else None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.ledger, name)
+
+
+MODEL = "m"
+
+
+def _ledger(redis_url: str, **bounds: Any) -> _Ledger:
     config = AdmissionConfig(**{"max_inflight": 0, "max_inflight_per_worker": 0,
                                 "max_queued_prompt_tokens": 0, **bounds})  # fmt: skip
-    return AdmissionLedger(config, redis.Redis.from_url(redis_url),
-                           aioredis.Redis.from_url(redis_url))  # fmt: skip
+    return _Ledger(AdmissionLedger(config, RoutingConfig(), PromptCacheConfig(),
+                                   redis.Redis.from_url(redis_url),
+                                   aioredis.Redis.from_url(redis_url)))  # fmt: skip
 
 
 def _worker(r: redis.Redis, wid: str, fresh: bool) -> None:
     r.sadd(keys.workers_roster(), wid)
-    r.hset(keys.worker_info(wid), "pid", "1")
+    r.hset(keys.worker_info(wid), mapping={"pid": "1", "model": MODEL, "epoch": "e"})
     ttl_ms = keys.LIVENESS_TTL_S * 1000 if fresh else min_alive_pttl_ms() - 1000
     r.pexpire(keys.worker_info(wid), ttl_ms)
 
@@ -70,7 +95,7 @@ def test_the_bound_follows_the_live_workers(redis_url: str) -> None:
     assert refused is not None and refused.bound == 4
 
 
-async def _release_all(ledger: AdmissionLedger, ids: list[str]) -> None:
+async def _release_all(ledger: _Ledger, ids: list[str]) -> None:
     for rid in ids:
         await ledger.release(rid)
 
@@ -80,7 +105,7 @@ def test_queued_prompt_tokens_are_bounded_until_a_worker_starts_them(redis_url: 
     assert ledger.reserve("big", 1000) is None  # alone in the queue: always admitted
     refused = ledger.reserve("next", 10)
     assert refused is not None and (refused.reason, refused.current) == ("tokens", 1000)
-    asyncio.run(ledger.started("big"))  # a worker took it: its tokens no longer wait
+    asyncio.run(ledger.started("big", "w1", 0))  # a worker took it: its tokens no longer wait
     assert ledger.reserve("next", 100) is None
     assert ledger.reserve("more", 60) is not None  # 100 + 60 > 150
 
@@ -152,7 +177,7 @@ def test_past_the_bound_a_request_gets_a_429_before_anything_is_enqueued(
     assert refused.json()["error"]["code"] == "rate_limit_exceeded"
     # Refused before the enqueue: only the admitted requests ever became jobs.
     assert len(list(r.scan_iter("rq:job:*"))) == BOUND
-    assert Queue(keys.SHARED_QUEUE, connection=r, serializer=MsgpackSerializer).count == 0
+    assert Queue(SHARED_QUEUE, connection=r, serializer=MsgpackSerializer).count == 0
     # Every reservation is released when its request ends.
     wait_for(lambda: r.zcard(keys.admission_inflight()) == 0, 10, "reservations released")
     assert r.hlen(keys.admission_queued_tokens()) == 0

@@ -18,6 +18,7 @@ from rq.registry import CanceledJobRegistry, FinishedJobRegistry, StartedJobRegi
 from shared import keys
 from shared.wire import MsgpackSerializer
 from tests.pool_fixture import running_pool, wait_for
+from tests.streams import pool_queues
 
 KW = {"serializer": MsgpackSerializer}
 # Far more than the worker makes before the client hangs up (this prompt never reaches EOS).
@@ -37,8 +38,9 @@ def test_a_client_that_hangs_up_is_let_go(pool: Any, stream: bool) -> None:
     body = {"model": model, "prompt": "The quick brown fox", "max_tokens": MAX_TOKENS,
             "temperature": 0, "stream": stream}  # fmt: skip
     registries = [
-        cls(keys.SHARED_QUEUE, connection=r, **KW)
+        cls(queue, connection=r, **KW)
         for cls in (StartedJobRegistry, CanceledJobRegistry, FinishedJobRegistry)
+        for queue in pool_queues()
     ]
 
     def jobs() -> set[str]:

@@ -21,11 +21,10 @@ from rq import Queue, Worker
 from rq.job import Job
 from rq.results import Result
 
-from shared import keys
 from shared.redis_auth import MASK
 from shared.redis_server import free_port
 from shared.wire import JOB_FUNC, MsgpackSerializer
-from tests.streams import enqueue
+from tests.streams import SHARED_QUEUE, enqueue
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -69,7 +68,7 @@ def dashboard(redis_url: str, tmp_path: Path) -> Iterator[tuple[str, subprocess.
 def _pickle_job(r: redis.Redis, job_id: str, marker: Path) -> None:
     """A job rq's default (pickle) serializer wrote, with the payload in its data, its result
     and its meta: everything rq-dashboard may deserialize."""
-    Queue(keys.SHARED_QUEUE, connection=r).enqueue_call(
+    Queue(SHARED_QUEUE, connection=r).enqueue_call(
         func=JOB_FUNC, args=(MakesDir(marker / "data"),), job_id=job_id
     )
     r.hset(Job.key_for(job_id), mapping={
@@ -79,9 +78,7 @@ def _pickle_job(r: redis.Redis, job_id: str, marker: Path) -> None:
 
 
 def _busy_worker(r: redis.Redis, job_id: str) -> None:
-    worker = Worker(
-        [keys.SHARED_QUEUE], connection=r, name="dash-test", serializer=MsgpackSerializer
-    )
+    worker = Worker([SHARED_QUEUE], connection=r, name="dash-test", serializer=MsgpackSerializer)
     if not r.exists(worker.key):
         worker.register_birth()
     r.hset(worker.key, mapping={"current_job": job_id, "state": "busy"})
@@ -111,10 +108,10 @@ def test_dashboard_shows_msgpack_jobs_and_never_unpickles(
     job = httpx.get(f"{base}/0/data/job/{good}.json", timeout=10)
     assert job.status_code == 200, job.text
     info = job.json()
-    assert (info["id"], info["origin"], info["status"]) == (good, keys.SHARED_QUEUE, "queued")
+    assert (info["id"], info["origin"], info["status"]) == (good, SHARED_QUEUE, "queued")
     assert info["description"].startswith(f"{JOB_FUNC}(")
     assert info["result"] == {"finish_reason": "length"}
-    listed = httpx.get(f"{base}/0/data/jobs/{keys.SHARED_QUEUE}/queued/8/asc/1.json", timeout=10)
+    listed = httpx.get(f"{base}/0/data/jobs/{SHARED_QUEUE}/queued/8/asc/1.json", timeout=10)
     assert listed.status_code == 200, listed.text
     assert {j["id"] for j in listed.json()["jobs"]} == {good, "evil"}
     assert httpx.get(f"{base}/0/view/job/{good}", timeout=10).status_code == 200
@@ -131,7 +128,7 @@ def test_dashboard_shows_msgpack_jobs_and_never_unpickles(
         ("GET", "/0/data/job/evil.json"),
         ("GET", "/0/view/job/evil"),
         ("GET", "/0/data/workers.json"),
-        ("GET", f"/0/data/jobs/{keys.SHARED_QUEUE}/queued/8/asc/1.json"),
+        ("GET", f"/0/data/jobs/{SHARED_QUEUE}/queued/8/asc/1.json"),
         ("POST", "/job/evil/requeue"),
     ]:
         httpx.request(method, f"{base}{path}", timeout=10)

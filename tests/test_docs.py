@@ -56,11 +56,11 @@ def test_every_template_is_documented(template: str) -> None:
 
 def test_rq_keys_we_use_are_documented() -> None:
     for pattern in (
-        f"rq:queue:{keys.SHARED_QUEUE}",
+        f"rq:queue:{_placeholder_render(keys.model_queue_name)}",
         f"rq:queue:{_placeholder_render(keys.worker_queue_name)}",
         "rq:job:<req_id>",
         f"rq:worker:{_placeholder_render(keys.rq_worker_name)}",
-        f"rq:wip:{keys.SHARED_QUEUE}",
+        f"rq:wip:{_placeholder_render(keys.model_queue_name)}",
     ):
         assert f"`{pattern}`" in KEYS_DOC, pattern
 
@@ -100,10 +100,18 @@ def test_mlxcel_keys_parse_back(name: str) -> None:
         "control": {"reply": keys.control_reply},
         "router": {"wake": keys.router_wake},
         "worker": {"info": keys.worker_info, "cache:counters": keys.worker_cache_counters,
-                   "control": keys.worker_control, "reaped": keys.worker_reaped},
+                   "control": keys.worker_control, "reaped": keys.worker_reaped,
+                   "routed": keys.worker_routed, "load": keys.worker_load,
+                   "prefill": keys.worker_prefill},
     }  # fmt: skip
     if parsed.kind == "workers":
         assert key == keys.workers_roster()
+    elif parsed.kind == "routing":
+        built = {"stats": keys.routing_stats, "canary": keys.routing_canary,
+                 "rr": keys.routing_cursor}  # fmt: skip
+        assert built[parsed.part]() == key
+    elif parsed.part == "blocks":
+        assert keys.worker_blocks(parsed.ident, args[1]) == key
     elif parsed.kind == "admission":
         built = {"inflight": keys.admission_inflight, "queued": keys.admission_queued_tokens}
         assert built[parsed.part]() == key

@@ -12,9 +12,8 @@ from rq import Queue
 from rq.job import Job
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 
-from shared import keys
 from shared.wire import MsgpackSerializer
-from tests.streams import enqueue, enqueue_raw, generated_tokens, read_events
+from tests.streams import SHARED_QUEUE, enqueue, enqueue_raw, generated_tokens, read_events
 
 PROMPT = list(range(10, 30))
 KW = {"serializer": MsgpackSerializer}
@@ -39,12 +38,12 @@ def _bad_hash(r: redis.Redis, **fields: bytes | str) -> str:
 
 
 def _failed_ids(r: redis.Redis) -> set[str]:
-    return set(FailedJobRegistry(keys.SHARED_QUEUE, connection=r, **KW).get_job_ids())
+    return set(FailedJobRegistry(SHARED_QUEUE, connection=r, **KW).get_job_ids())
 
 
 def test_malformed_jobs_fail_alone_and_the_worker_serves_on(redis_url: str, start_worker) -> None:
     r = redis.Redis.from_url(redis_url)
-    queue = Queue(keys.SHARED_QUEUE, connection=r, **KW)
+    queue = Queue(SHARED_QUEUE, connection=r, **KW)
     w = start_worker(redis_url, "w1")
     bad = {
         "garbage data": _bad_hash(r, data=b"\xc1\xff not msgpack"),
@@ -75,7 +74,7 @@ def test_malformed_jobs_fail_alone_and_the_worker_serves_on(redis_url: str, star
         (error,) = [e for e in read_events(r, job_id, timeout=5) if e.kind == "error"]
         assert error.error, what
     # Nothing is left half-taken: no job shown as started, none left in the intermediate queue.
-    assert StartedJobRegistry(keys.SHARED_QUEUE, connection=r, **KW).count == 0
+    assert StartedJobRegistry(SHARED_QUEUE, connection=r, **KW).count == 0
     assert r.llen(queue.intermediate_queue_key) == 0
     again = enqueue(r, PROMPT, max_tokens=3)
     assert read_events(r, again)[-1].kind == "done"

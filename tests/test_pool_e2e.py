@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from tests.pool_fixture import running_pool, sse_events
+from tests.streams import SHARED_QUEUE
 
 MAX_TOKENS = 24
 PROMPTS = [
@@ -117,14 +118,17 @@ def test_health_models_and_rq_info_show_the_truth(pool) -> None:
     )
     assert resp.status_code == 200
     info = subprocess.run(
-        [str(Path(sys.executable).parent / "rq"), "info", "-u", pool.redis_url, keys.SHARED_QUEUE],
+        [str(Path(sys.executable).parent / "rq"), "info", "-u", pool.redis_url, SHARED_QUEUE],
         capture_output=True,
         text=True,
         timeout=30,
     )
     assert "mlxcel-w1" in info.stdout, info.stdout + info.stderr
+    # Routed onto w1's own queue (the only live worker), and finished there.
+    own = keys.worker_queue_name("w1")
+    assert own in info.stdout, info.stdout
     r = redis.Redis.from_url(pool.redis_url)
-    finished = FinishedJobRegistry(keys.SHARED_QUEUE, connection=r, serializer=MsgpackSerializer)
+    finished = FinishedJobRegistry(own, connection=r, serializer=MsgpackSerializer)
     assert finished.count >= 1
 
 

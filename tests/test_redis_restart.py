@@ -12,7 +12,7 @@ from rq import Worker
 
 from shared import keys
 from shared.redis_server import start_redis
-from tests.streams import enqueue, read_events
+from tests.streams import SHARED_QUEUE, enqueue, read_events
 
 
 def _wait(predicate, timeout: float, what: str) -> None:
@@ -73,7 +73,7 @@ def test_a_persistent_redis_restart_fails_the_running_request(start_worker, tmp_
 
         events = read_events(r, running)
         assert events[-1].kind == "error" and "lost Redis" in events[-1].error
-        failed = FailedJobRegistry(keys.SHARED_QUEUE, connection=r, serializer=MsgpackSerializer)
+        failed = FailedJobRegistry(SHARED_QUEUE, connection=r, serializer=MsgpackSerializer)
         assert running in failed.get_job_ids()
         assert read_events(r, enqueue(r, [8, 9, 10], max_tokens=4))[-1].kind == "done"
         assert w.proc.poll() is None

@@ -21,11 +21,11 @@ import redis
 from rq.registry import StartedJobRegistry
 from transformers import AutoTokenizer
 
-from shared import keys
 from shared.config import RedisConfig
 from shared.redis_clients import sync_client
 from shared.redis_server import EmbeddedRedis, start_redis
 from tests.pool_fixture import running_pool, sse_events
+from tests.streams import SHARED_QUEUE
 
 STREAM = "mlxcel:req:stall-test:stream"
 
@@ -152,7 +152,7 @@ def test_a_pool_rides_out_a_redis_stall_with_every_answer_the_models(
         # rq tells the truth: every job finished, none failed or left started by the stall.
         statuses = [r.hget(k, "status") for k in r.scan_iter("rq:job:*")]
         assert statuses and set(statuses) == {b"finished"}
-        assert StartedJobRegistry(keys.SHARED_QUEUE, connection=r).count == 0
+        assert StartedJobRegistry(SHARED_QUEUE, connection=r).count == 0
 
 
 # Prompts the tiny model never ends early (no EOS), long enough to be mid-stream at the stall.

@@ -32,6 +32,7 @@ from shared.wire import (
     MsgpackSerializer,
     StreamEvent,
 )
+from tests.streams import SHARED_QUEUE
 from tests.test_router_validation import RouterServer, router_settings
 
 REQUEST_TIMEOUT_S = 4.0
@@ -73,7 +74,7 @@ def model_id(tiny_model_dir: Path) -> str:
 
 def take_job(r: redis.Redis, timeout: float = 5.0) -> tuple[Job, GenerationRequest]:
     """Wait for the router's job in the shared queue and decode it the way a worker would."""
-    queue = Queue(keys.SHARED_QUEUE, connection=r, serializer=MsgpackSerializer)
+    queue = Queue(SHARED_QUEUE, connection=r, serializer=MsgpackSerializer)
     deadline = time.monotonic() + timeout
     while not queue.job_ids:
         assert time.monotonic() < deadline, "no job was enqueued"
@@ -369,7 +370,7 @@ def test_a_request_whose_worker_died_before_any_token_runs_again_elsewhere(
     job.set_status(JobStatus.STARTED)
     _beating(r, "w1", age_s=liveness.DEAD_AFTER_S + 1)  # w1 took it, then stopped beating
     play(r, req, StreamEvent(kind="start", worker_id="w1"))
-    r.lrem(Queue(keys.SHARED_QUEUE, connection=r).key, 0, job.id)  # w1 had taken it
+    r.lrem(Queue(SHARED_QUEUE, connection=r).key, 0, job.id)  # w1 had taken it
     again, req2 = take_job(r, timeout=15)
     assert req2.request_id == f"{req.request_id}-1" and req2.prompt_tokens == req.prompt_tokens
     # The lost attempt is fenced: a worker that was only slow drops it.
@@ -389,7 +390,7 @@ def test_a_request_whose_worker_died_after_tokens_ends_with_an_error(
     fut: Future[list[str]] = pool.submit(sse_lines, router_url, "/v1/completions", body)
     job, req = take_job(r)
     job.set_status(JobStatus.STARTED)
-    r.lrem(Queue(keys.SHARED_QUEUE, connection=r).key, 0, job.id)  # w3 had taken it
+    r.lrem(Queue(SHARED_QUEUE, connection=r).key, 0, job.id)  # w3 had taken it
     play(r, req, StreamEvent(kind="start", worker_id="w3"), StreamEvent(kind="delta", text="a"))
     _beating(r, "w3", age_s=liveness.DEAD_AFTER_S + 1)
     started = time.monotonic()
@@ -397,7 +398,7 @@ def test_a_request_whose_worker_died_after_tokens_ends_with_an_error(
     error = json.loads(lines[-2].removeprefix("data: "))["error"]
     assert "worker w3 stopped" in error["message"] and "no heartbeat" in error["message"]
     assert time.monotonic() - started < 5  # two checks a second apart, not the request timeout
-    assert Queue(keys.SHARED_QUEUE, connection=r).count == 0  # not run again: text was out
+    assert Queue(SHARED_QUEUE, connection=r).count == 0  # not run again: text was out
 
 
 def test_a_non_streamed_request_whose_worker_died_after_tokens_runs_again(
@@ -407,7 +408,7 @@ def test_a_non_streamed_request_whose_worker_died_after_tokens_runs_again(
     fut = pool.submit(post, router_url, "/v1/completions", {"model": model_id, "prompt": "x"})
     job, req = take_job(r)
     job.set_status(JobStatus.STARTED)
-    r.lrem(Queue(keys.SHARED_QUEUE, connection=r).key, 0, job.id)  # w4 had taken it
+    r.lrem(Queue(SHARED_QUEUE, connection=r).key, 0, job.id)  # w4 had taken it
     play(r, req, StreamEvent(kind="start", worker_id="w4"),
          StreamEvent(kind="delta", text="lost ", token_ids=[1]))  # fmt: skip
     _beating(r, "w4", age_s=liveness.DEAD_AFTER_S + 1)
@@ -427,7 +428,7 @@ def test_a_job_failed_as_worker_lost_is_a_retryable_503_once_attempts_run_out(
     fut = pool.submit(post, router_url, "/v1/completions", {"model": model_id, "prompt": "x"})
     for attempt in range(2):  # the reaper fails each attempt's job: its worker died
         job, _ = take_job(r, timeout=15)
-        r.lrem(Queue(keys.SHARED_QUEUE, connection=r).key, 0, job.id)
+        r.lrem(Queue(SHARED_QUEUE, connection=r).key, 0, job.id)
         Result.create_failure(job, ttl=60, exc_string=f"{liveness.WORKER_LOST_MARK} w{attempt}")
         job.set_status(JobStatus.FAILED)
     resp = fut.result(15)

@@ -8,6 +8,7 @@ from pathlib import Path
 import httpx
 import redis
 
+from shared import keys
 from tests.conftest import MlxReference
 from tests.pool_fixture import running_pool
 from tests.streams import enqueue, generated_tokens, read_events
@@ -24,7 +25,7 @@ def test_snapshot_restore_through_the_pool(tiny_swa_model_dir: Path, tmp_path: P
 
         r = redis.Redis.from_url(pool.redis_url)
         prompt = [10 + (i * 11) % 700 for i in range(80)]
-        first = read_events(r, enqueue(r, prompt, max_tokens=6))
+        first = read_events(r, enqueue(r, prompt, max_tokens=6, queue=keys.model_queue_name(MODEL)))
         history = prompt + generated_tokens(first)  # the snapshot holds exactly these tokens
 
         def complete(tokens: list[int]) -> dict:

@@ -28,6 +28,7 @@ from shared import keys
 from shared.config import SupervisorConfig
 from shared.redis_auth import embedded_password
 from tests.pool_fixture import running_pool, wait_for
+from tests.streams import SHARED_QUEUE
 
 # --- the policy, on an injected clock ---------------------------------------------------------
 
@@ -136,7 +137,7 @@ def _running_on(pool: Pool, worker_id: str) -> list[str]:
     name = keys.rq_worker_name(worker_id).encode()
     return [
         job_id
-        for queue in (keys.SHARED_QUEUE, keys.worker_queue_name(worker_id))
+        for queue in (SHARED_QUEUE, keys.worker_queue_name(worker_id))
         for job_id in StartedJobRegistry(queue, connection=conn).get_job_ids()
         if conn.hget(Job.key_for(job_id), "worker_name") == name
     ]

@@ -26,6 +26,7 @@ from rq.registry import FailedJobRegistry, StartedJobRegistry
 from shared import keys, liveness
 from shared.wire import STREAM_FIELD, MsgpackSerializer, StreamEvent
 from tests.pool_fixture import running_pool, wait_for
+from tests.streams import pool_queues
 
 KW = {"serializer": MsgpackSerializer}
 # Small prefill chunks make a long prompt's prefill last about a second on the tiny model: the
@@ -45,8 +46,8 @@ def _started_job(r: redis.Redis, seen: set[str]) -> tuple[str, str]:
     """(job id, worker id) of a job a worker has just started, from its stream's start event."""
 
     def find() -> tuple[str, str] | None:
-        registry = StartedJobRegistry(keys.SHARED_QUEUE, connection=r, **KW)
-        for job_id in registry.get_job_ids(cleanup=False):
+        started = [StartedJobRegistry(q, connection=r, **KW) for q in pool_queues()]
+        for job_id in [j for reg in started for j in reg.get_job_ids(cleanup=False)]:
             if job_id in seen:
                 continue
             for _, fields in r.xrange(keys.request_stream(job_id), count=1):
@@ -60,11 +61,13 @@ def _started_job(r: redis.Redis, seen: set[str]) -> tuple[str, str]:
 
 def _wait_reaped(r: redis.Redis, job_id: str, wid: str) -> None:
     """A live worker failed the dead one's job in rq, and rq no longer lists the dead worker."""
-    failed = FailedJobRegistry(keys.SHARED_QUEUE, connection=r, **KW)
-    wait_for(lambda: job_id in failed.get_job_ids(), 20, "the dead worker's job failed in rq")
+    failed = [FailedJobRegistry(q, connection=r, **KW) for q in pool_queues()]
+    wait_for(lambda: any(job_id in f.get_job_ids() for f in failed), 20,
+             "the dead worker's job failed in rq")  # fmt: skip
     job = Job.fetch(job_id, connection=r, **KW)
     assert liveness.WORKER_LOST_MARK in (job.latest_result().exc_string or "")
-    assert job_id not in StartedJobRegistry(keys.SHARED_QUEUE, connection=r, **KW).get_job_ids()
+    for q in pool_queues():
+        assert job_id not in StartedJobRegistry(q, connection=r, **KW).get_job_ids()
     assert keys.rq_worker_name(wid) not in [w.name for w in Worker.all(connection=r)]
 
 
@@ -111,7 +114,9 @@ def test_a_killed_worker_fails_its_streams_within_seconds(pool: Any) -> None:
     body = {"model": health["model"], "prompt": "Once upon a time", "max_tokens": 2000,
             "temperature": 0, "stream": True}  # fmt: skip
     chunks: list[dict] = []
-    seen = set(StartedJobRegistry(keys.SHARED_QUEUE, connection=r, **KW).get_job_ids())
+    seen = {
+        j for q in pool_queues() for j in StartedJobRegistry(q, connection=r, **KW).get_job_ids()
+    }
     with (
         httpx.Client(timeout=60) as client,
         client.stream("POST", f"{pool.url}/v1/completions", json=body) as resp,

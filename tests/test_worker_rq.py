@@ -18,16 +18,23 @@ from rq.registry import (
 
 from shared import keys
 from shared.wire import MsgpackSerializer
-from tests.streams import enqueue, enqueue_raw, generated_tokens, read_events
+from tests.streams import (
+    SHARED_QUEUE,
+    TINY_MODEL,
+    enqueue,
+    enqueue_raw,
+    generated_tokens,
+    read_events,
+)
 
 
 def _registries(r: redis.Redis):
     kw = {"connection": r, "serializer": MsgpackSerializer}
     return (
-        StartedJobRegistry(keys.SHARED_QUEUE, **kw),
-        FinishedJobRegistry(keys.SHARED_QUEUE, **kw),
-        FailedJobRegistry(keys.SHARED_QUEUE, **kw),
-        CanceledJobRegistry(keys.SHARED_QUEUE, **kw),
+        StartedJobRegistry(SHARED_QUEUE, **kw),
+        FinishedJobRegistry(SHARED_QUEUE, **kw),
+        FailedJobRegistry(SHARED_QUEUE, **kw),
+        CanceledJobRegistry(SHARED_QUEUE, **kw),
     )
 
 
@@ -255,7 +262,9 @@ def test_the_reaper_counts_a_death_only_on_passes_a_second_apart(redis_url) -> N
     r = redis.Redis.from_url(redis_url)
 
     def worker_side(wid: str) -> tuple[WorkerPresence, RqIntake]:
-        presence = WorkerPresence(r, wid, own_queues(r, wid), {"worker_id": wid})
+        presence = WorkerPresence(
+            r, wid, own_queues(r, wid, TINY_MODEL), {"worker_id": wid, "model": TINY_MODEL}
+        )
         presence.arrive({})
         return presence, RqIntake(presence)
 
@@ -266,7 +275,7 @@ def test_the_reaper_counts_a_death_only_on_passes_a_second_apart(redis_url) -> N
     now = [100.0]
     reaper = Reaper(*worker_side("w1"), clock=lambda: now[0])
     assert reaper.reap() == [] and reaper.reap() == [] and reaper.reap() == []
-    started = StartedJobRegistry(keys.SHARED_QUEUE, connection=r, serializer=MsgpackSerializer)
+    started = StartedJobRegistry(SHARED_QUEUE, connection=r, serializer=MsgpackSerializer)
     assert started.get_job_ids() == [rid]
     now[0] += REAP_INTERVAL_S
     assert reaper.reap() == [rid]

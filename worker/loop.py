@@ -24,6 +24,7 @@ from shared.wire import REDIS_UNAVAILABLE, ControlCommand, ControlReply, StreamE
 from worker.broker.intake import JobEnd, JobOutcome, RqIntake, TakenJob
 from worker.broker.metrics_sink import MetricsSink
 from worker.broker.outbox import Outbox
+from worker.broker.peer_queues import PeerQueues
 from worker.broker.presence import WorkerPresence
 from worker.broker.publisher import Liveness, Publisher, PublishResult, StepWrites
 from worker.broker.reaper import REAP_INTERVAL_S, Reaper
@@ -58,11 +59,13 @@ class WorkerLoop:
     static_gauges: dict[str, Any]
     # When idle, how long a burst of arrivals may be gathered to prefill as one batch.
     admission_window_s: float = 0.0
+    peers: PeerQueues | None = None
     _stop_requests: int = 0
     _queued: int = 0  # jobs waiting in this worker's queues, as the last publish read
     _next_maintenance: float = 0.0
     _next_reap: float = 0.0
     _maintenance: Future[None] | None = None
+    _index_full_due: bool = False  # the last publish found the block index gone
 
     def install_signal_handlers(self) -> None:
         def ask_stop(signum: int, _frame: Any) -> None:
@@ -104,12 +107,16 @@ class WorkerLoop:
     def _take_jobs(self, out: StepResult, writes: StepWrites) -> bool:
         slots = self.engine.free_slots
         idle = self.engine.active == 0
-        if slots <= 0 or (not idle and self._queued <= 0):
-            return False  # the last publish saw nothing queued: no extra round trip
+        if slots <= 0:
+            return False
+        if not idle and self._queued <= 0:  # the last publish saw nothing of its own queued
+            return self._take_from_peers(slots, out, writes)
         # Block for work only with nothing to send: a step's last events (a finished request's
         # `done`) must not wait out the idle timeout.
         block = IDLE_BLOCK_S if idle and not (out.events or out.ended) else None
         taken = self.intake.take(slots, block)
+        if not taken:
+            return self._take_from_peers(slots, out, writes)
         self._admit(taken, out, writes)
         # A burst's jobs arrive a few ms apart: an idle worker whose new work still has its
         # prefill ahead gathers the rest of the burst, so they prefill as one batch. A warm
@@ -118,6 +125,28 @@ class WorkerLoop:
             more = self.intake.gather(self.engine.free_slots, self.admission_window_s)
             self._admit(more, out, writes)
             taken += more
+        return bool(taken)
+
+    def _take_from_peers(self, slots: int, out: StepResult, writes: StepWrites) -> bool:
+        """Free slots and nothing of its own to run: take what waits too long in a busy peer's
+        queue, or anything in a dead peer's (peer_queues)."""
+        if self.peers is None or not self.peers.due(time.monotonic()):
+            return False
+        taken: list[TakenJob] = []
+        for waiting in self.peers.waiting():
+            if slots <= 0:
+                break
+            got = self.intake.take_from(waiting.queue, min(slots, waiting.takeable))
+            if got:
+                log.info(
+                    "took %d job(s) from %s (%s)",
+                    len(got),
+                    waiting.queue.name,
+                    "its worker is dead" if waiting.dead else "waiting there too long",
+                )
+            slots -= len(got)
+            taken += got
+        self._admit(taken, out, writes)
         return bool(taken)
 
     def _admit(self, taken_jobs: list[TakenJob], out: StepResult, writes: StepWrites) -> None:
@@ -139,11 +168,14 @@ class WorkerLoop:
     def _act_on(self, reads: PublishResult) -> StepResult:
         """Drop cancelled requests and run control commands, as the last publish read them."""
         self._queued = reads.queued
+        self._index_full_due = self._index_full_due or reads.index_lost
         out = StepResult()
         for rid in reads.cancelled:
             out.merge(self.engine.cancel(rid))
         for cmd in reads.commands:
             self._handle_command(cmd)
+        if reads.commands:  # a reset empties the cache: its blocks leave the index now
+            out.merge(self.engine.drain())
         return out
 
     def _handle_command(self, cmd: ControlCommand) -> None:
@@ -159,6 +191,12 @@ class WorkerLoop:
     def _send(self, out: StepResult, writes: StepWrites) -> None:
         """Turn the engine's result into this step's writes and hand them to the outbox."""
         _fill(writes, out, self.presence.worker_id)
+        writes.index = out.index
+        if self._index_full_due:
+            self._index_full_due = False
+            writes.index_full = self.engine.held_blocks()
+            log.info("block index lost (Redis restart or flush): writing its %d block(s) again",
+                     len(writes.index_full))  # fmt: skip
         self.metrics.apply(writes.counters, self.engine.active)
         running = self.engine.running
         writes.busy = bool(running)
@@ -210,6 +248,7 @@ class WorkerLoop:
                 delay = min(delay * 2, RECONNECT_MAX_S)
                 continue
             log.info("reconnected to Redis; serving again")
+            self._index_full_due = True  # arrive wrote an empty block set: fill it
             self._fail_orphans(dropped)
             return
 

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shared.block_hash import BlockHasher, canary
+from shared.canary_check import CanaryMismatch, check_against_routers
 from shared.config import Settings
 from shared.gc_freeze import freeze_startup_heap
 from shared.model_facts import configured_model_dir
@@ -25,7 +27,11 @@ def resolve_worker_id(settings: Settings) -> str:
 
 
 def run(settings: Settings) -> int:
-    loop = build_worker(settings)
+    try:
+        loop = build_worker(settings)
+    except CanaryMismatch as exc:
+        log.error("%s", exc)
+        return 2
     if loop is None:
         return 2
     from worker.broker.presence import WorkerIdInUse
@@ -59,6 +65,7 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
     from worker.broker.intake import RqIntake, own_queues
     from worker.broker.metrics_sink import MetricsSink
     from worker.broker.outbox import Outbox
+    from worker.broker.peer_queues import PeerQueues
     from worker.broker.presence import WorkerPresence
     from worker.broker.publisher import Publisher
     from worker.broker.reaper import Reaper
@@ -79,13 +86,17 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
         cpu_ops.install(model)
     prompt_cache, settings_gauges = _prompt_cache(settings, model, facts.model_id, worker_id)
     conn = sync_client(settings.redis)
+    my_canary = routing_canary(tokenizer, facts.model_id, settings)
+    check_against_routers(conn, facts.model_id, my_canary)
     info = {
         "worker_id": worker_id, "model": facts.model_id, "pid": str(os.getpid()),
         "host": socket.gethostname(), "started_at": f"{time.time():.3f}",
         "batch_size": str(settings.worker.batch_size),
         "storage_modes": settings_gauges.pop("storage_modes"),
+        "canary": my_canary,
+        "model_dir": str(model_dir.resolve()),
     }  # fmt: skip
-    presence = WorkerPresence(conn, worker_id, own_queues(conn, worker_id), info)
+    presence = WorkerPresence(conn, worker_id, own_queues(conn, worker_id, facts.model_id), info)
     intake = RqIntake(presence)
     engine = Engine(
         model,
@@ -107,7 +118,14 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
         metrics=MetricsSink(),
         static_gauges=settings_gauges,
         admission_window_s=settings.worker.admission_window_ms / 1000,
+        peers=PeerQueues(conn, worker_id, facts.model_id, settings.routing.steal_after_ms / 1000),
     )
+
+
+def routing_canary(tokenizer: Any, model_id: str, settings: Settings) -> str:
+    pc = settings.prompt_cache
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's wrapper holds the HF tokenizer
+    return canary(hf, model_id, BlockHasher(pc.apc_block_size, pc.apc_hash))
 
 
 def _model_dir(settings: Settings) -> Path:

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Response
 
 from router.cache_control import reset_pool_cache
 from router.cache_stats import pool_cache_stats, read_pool
+from router.routing_stats import routing_stats
 from router.state import StateDep
 
 router = APIRouter()
@@ -17,7 +18,9 @@ router = APIRouter()
 @router.get("/v1/cache/stats")
 async def cache_stats(state: StateDep) -> Response:
     # orjson directly: FastAPI's jsonable_encoder walks every value of the per-worker breakdown.
-    body = orjson.dumps(await pool_cache_stats(state.pool_script))
+    stats = await pool_cache_stats(state.pool_script)
+    stats["routing"] = await routing_stats(state.aredis, state.settings.routing.policy)
+    body = orjson.dumps(stats)
     return Response(body, media_type="application/json")
 
 

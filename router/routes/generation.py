@@ -4,6 +4,7 @@ into an OpenAI response (one JSON body, or SSE chunks). Shared by /v1/completion
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
@@ -16,12 +17,19 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from router.admission import Admission, AdmissionContext, Outcome
+from router.admission_ledger import Refusal
 from router.dispatch import TIMEOUT, WORKER_LOST
 from router.errors import APIError
 from router.openai_types import ResponseFormat, Usage
+from router.routing_metrics import observe_placement
 from router.state import RouterState
+from router.tokenization import TokenizerLoadError
+from shared.block_hash import CacheNamespace, index_members
+from shared.canary_check import CanaryMismatch
 from shared.metrics import REQUEST_DECODE_TOK_S, REQUEST_TTFT_MS
 from shared.wire import REDIS_UNAVAILABLE, GenerationRequest, StreamEvent
+
+log = logging.getLogger(__name__)
 
 # nginx's code for "client closed request": nobody reads it, but logs should not say 200.
 CLIENT_CLOSED = 499
@@ -36,11 +44,13 @@ class _Progress:
     first_token_at: float | None = None
     usage: Usage = field(default_factory=Usage)
     finish_reason: str | None = None
+    worker_id: str = ""
 
     def on_event(self, ev: StreamEvent) -> None:
         now = time.time()
         if ev.kind == "start":  # an attempt begins: a lost one's text (never sent) is dropped
             self.text.clear()
+            self.worker_id = ev.worker_id or ""
             self.usage.cached_tokens = ev.cached_tokens
         elif ev.kind == "delta":
             self.text.append(ev.text)
@@ -136,18 +146,44 @@ async def admit_and_submit(
     burst of requests reaches the workers sooner than with a thread hop for each."""
 
     def run() -> Admission:
-        admission = admit(body, state.admission)
+        model = getattr(body, "model", "")
+        try:
+            ctx = state.catalog.get(model)
+        except (TokenizerLoadError, CanaryMismatch) as exc:  # its workers', not the caller's
+            return Admission(Outcome.NO_WORKER, message=f"The pool cannot serve '{model}': {exc}")
+        if ctx is None:
+            served = ", ".join(f"'{m}'" for m in state.catalog.served())
+            return Admission(Outcome.UNKNOWN_MODEL, param="model",
+                             message=f"The model '{model}' does not exist; this pool serves "
+                                     f"{served}.")  # fmt: skip
+        admission = admit(body, ctx)
         req = admission.request
         if admission.outcome is not Outcome.ADMIT or req is None:
             return admission
-        # The pool's bound, decided before anything is enqueued (and before any 200).
+        # The pool's bound and the worker, decided before anything is enqueued (and before any
+        # 200), from the blocks the prompt hashes to exactly as the worker's cache hashes them.
         ledger = state.dispatcher.ledger
-        refusal = ledger.reserve(req.request_id, len(req.prompt_tokens))
-        if refusal is not None:
+        ns = CacheNamespace(req.model, req.adapter_id, req.template_signature)
+        members = index_members(state.hasher.chain(req.prompt_tokens, ns.seed()))
+        placed = ledger.reserve(req.request_id, len(req.prompt_tokens), req.model, members)
+        if isinstance(placed, Refusal):
             retry = state.settings.admission.retry_after_s
-            return Admission(Outcome.POOL_BUSY, message=refusal.message(), retry_after_s=retry)
+            return Admission(Outcome.POOL_BUSY, message=placed.message(), retry_after_s=retry)
+        if not placed.worker_id and req.model != state.model_id:
+            # Only the router's own model waits for a worker in its shared queue; another
+            # model's workers all went away since the catalog saw them.
+            ledger.release_sync(req.request_id, state.dispatcher.sync_redis)
+            return Admission(
+                Outcome.NO_WORKER,
+                retry_after_s=state.settings.admission.retry_after_s,
+                message=f"No live worker serves '{req.model}' now; retry shortly.",
+            )
+        observe_placement(placed)
+        log.info("route request=%s worker=%s outcome=%s predicted_cached=%d prompt=%d cost=%d",
+                 req.request_id, placed.worker_id or "(shared queue)", placed.outcome,
+                 placed.predicted_tokens, len(req.prompt_tokens), placed.cost)  # fmt: skip
         try:
-            state.dispatcher.enqueue(req)
+            state.dispatcher.enqueue(req, placed.worker_id)
         except BaseException:
             ledger.release_sync(req.request_id, state.dispatcher.sync_redis)
             raise
@@ -174,7 +210,7 @@ async def respond(
         async with aclosing(events):
             await _collect(events, progress)
         body = fmt.body("".join(progress.text), progress.finish_reason, progress.usage)
-        return JSONResponse(body)
+        return JSONResponse(body, headers=_served_by(progress.worker_id))
     # Wait for the first event before answering 200, so an early failure keeps its status code.
     first = await anext(events, None)
     if first is None or first.kind == "error":
@@ -185,5 +221,15 @@ async def respond(
     return StreamingResponse(
         _chunks(first, events, fmt, progress, include_usage),
         media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                 **_served_by(first.worker_id if first.kind == "start" else "")},
+    )  # fmt: skip
+
+
+# Names the worker that ran the request (its first attempt, when streamed): why a request went
+# where it went is in the router's route log line, keyed by the same worker id.
+WORKER_HEADER = "X-Mlxcel-Worker"
+
+
+def _served_by(worker_id: str | None) -> dict[str, str]:
+    return {WORKER_HEADER: worker_id} if worker_id else {}

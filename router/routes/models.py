@@ -1,25 +1,40 @@
-"""GET /v1/models: the one model this pool serves."""
+"""GET /v1/models and /v1/models/{id}: the router's own model, and every other one a live
+worker serves (router/model_catalog.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import anyio
 from fastapi import APIRouter
 
+from router.errors import APIError
 from router.state import RouterState, StateDep
 
 router = APIRouter()
 
 
-def _model_object(state: RouterState) -> dict[str, Any]:
-    return {
-        "id": state.model_id,
-        "object": "model",
-        "created": state.model_created,
-        "owned_by": "mlxcel",
-    }
+def _model_object(model_id: str, created: int) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "mlxcel"}
+
+
+def _served(state: RouterState) -> list[dict[str, Any]]:
+    live = state.catalog.live()
+    out = [_model_object(state.model_id, state.model_created)]
+    for model_id in sorted(m for m in live if m != state.model_id):
+        out.append(_model_object(model_id, live[model_id].created))
+    return out
 
 
 @router.get("/v1/models")
 async def list_models(state: StateDep) -> dict[str, Any]:
-    return {"object": "list", "data": [_model_object(state)]}
+    return {"object": "list", "data": await anyio.to_thread.run_sync(_served, state)}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, state: StateDep) -> dict[str, Any]:
+    for model in await anyio.to_thread.run_sync(_served, state):
+        if model["id"] == model_id:
+            return model
+    raise APIError(404, f"The model '{model_id}' does not exist.", "invalid_request_error",
+                   "model", "model_not_found")  # fmt: skip

@@ -77,13 +77,12 @@ class JobEnd:
     error: str = ""
 
 
-def own_queues(connection: redis.Redis, worker_id: str) -> list[Queue]:
-    """The worker's own queue first (routing will target it), then the shared one."""
+def own_queues(connection: redis.Redis, worker_id: str, model_id: str) -> list[Queue]:
+    """The worker's own queue first (routing places work there), then its model's shared one."""
     return [
-        Queue(keys.worker_queue_name(worker_id), connection=connection,
-              serializer=MsgpackSerializer),
-        Queue(keys.SHARED_QUEUE, connection=connection, serializer=MsgpackSerializer),
-    ]  # fmt: skip
+        Queue(name, connection=connection, serializer=MsgpackSerializer)
+        for name in (keys.worker_queue_name(worker_id), keys.model_queue_name(model_id))
+    ]
 
 
 class RqIntake:
@@ -117,6 +116,17 @@ class RqIntake:
             return []
         return self._start(self._take_more([first], max_jobs, 0.0))
 
+    def take_from(self, queue: Queue, max_jobs: int) -> list[TakenJob]:
+        """Take up to `max_jobs` jobs from another worker's queue (peer_queues), without
+        blocking, through the same dequeue and start as this worker's own."""
+        taken: list[tuple[Job, Queue]] = []
+        while len(taken) < max_jobs:
+            got = self._dequeue(None, [queue])
+            if got is None:
+                break
+            taken.append(got)
+        return self._start(taken) if taken else []
+
     def gather(self, max_jobs: int, window_s: float) -> list[TakenJob]:
         """Take the jobs of a burst still arriving, until it pauses (GATHER_GAP_S) or the window
         ends, so they prefill as one batch with what was just admitted."""
@@ -142,13 +152,16 @@ class RqIntake:
                 time.sleep(0.001)
         return taken
 
-    def _dequeue(self, timeout: int | None) -> tuple[Job, Queue] | None:
+    def _dequeue(
+        self, timeout: int | None, queues: list[Queue] | None = None
+    ) -> tuple[Job, Queue] | None:
         """The next job, or None. A job rq itself cannot load (a hand-made hash: a bad date, an
         unknown status) is failed here and counts as nothing taken; only Redis errors raise."""
         try:
             return Queue.dequeue_any(
-                self.queues, timeout, connection=self.connection, serializer=MsgpackSerializer
-            )
+                queues or self.queues, timeout, connection=self.connection,
+                serializer=MsgpackSerializer,
+            )  # fmt: skip
         except DequeueTimeout:
             return None
         except redis.RedisError:

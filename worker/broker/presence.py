@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import time
 from typing import Any
@@ -56,7 +57,10 @@ class WorkerPresence(RqWorkerRecord):
         self.hostname = socket.gethostname()
         self.pid = os.getpid()
         self.worker_id = worker_id
-        self.info = {**info, "rq_name": self.name}
+        # New at every process start: routers read the block index under this epoch only, so a
+        # restarted or zombie process can never leave entries for a cache it no longer holds.
+        self.epoch = secrets.token_hex(6)
+        self.info = {**info, "rq_name": self.name, "epoch": self.epoch}
         self._k_info = keys.worker_info(worker_id)
         self._busy = False
         self._next_beat = 0.0
@@ -69,6 +73,9 @@ class WorkerPresence(RqWorkerRecord):
         with self.connection.pipeline(transaction=False) as pipe:
             pipe.delete(self._k_info, keys.worker_reaped(self.worker_id))
             self._write_liveness(pipe, gauges)
+            blocks = keys.worker_blocks(self.worker_id, self.epoch)
+            pipe.sadd(blocks, keys.INDEX_MARKER)  # the cache's blocks follow with the next beat
+            pipe.expire(blocks, keys.LIVENESS_TTL_S)
             pipe.execute()
         self._retire_stale_record()
         self.register_birth()

@@ -45,6 +45,8 @@ class StepWrites:
     busy: bool = False
     liveness: Liveness | None = None
     watched: list[str] = field(default_factory=list)  # running request ids: read cancel flags
+    index: dict[bytes, bool] = field(default_factory=dict)  # block index changes
+    index_full: list[bytes] | None = None  # every block held: the index was found lost
 
 
 @dataclass
@@ -52,12 +54,14 @@ class PublishResult:
     cancelled: list[str] = field(default_factory=list)
     commands: list[ControlCommand] = field(default_factory=list)
     queued: int = 0
+    index_lost: bool = False  # the block set was gone (Redis restart, flush): write it whole
 
     def merge(self, later: PublishResult) -> PublishResult:
         """Two publishes' reads as one (nothing read may be lost); `queued` is the later one."""
         return PublishResult(
-            [*self.cancelled, *later.cancelled], [*self.commands, *later.commands], later.queued
-        )
+            [*self.cancelled, *later.cancelled], [*self.commands, *later.commands],
+            later.queued, self.index_lost or later.index_lost,
+        )  # fmt: skip
 
 
 class Publisher:
@@ -71,7 +75,14 @@ class Publisher:
     def publish(self, writes: StepWrites) -> PublishResult:
         """Send one step's writes and reads in a single pipeline."""
         now = time.monotonic()
+        blocks = keys.worker_blocks(self.presence.worker_id, self.presence.epoch)
+        check_index = (
+            bool(writes.index) or writes.index_full is not None or (writes.liveness is not None)
+        )
         with self.r.pipeline(transaction=False) as pipe:
+            if check_index:  # first, so this pipeline's own SADDs cannot hide a lost set
+                pipe.expire(blocks, keys.LIVENESS_TTL_S)
+            _write_index(pipe, blocks, writes)
             for taken, packed in writes.streams:
                 stream = keys.request_stream(taken.id)
                 for data in packed:
@@ -98,14 +109,35 @@ class Publisher:
             pipe.lpop(self._k_control, 16)
             for qk in self.intake.queue_keys:
                 pipe.llen(qk)
-            replies = pipe.execute()[n_writes:]
-        return _parse_reads(replies, writes.watched)
+            replies = pipe.execute()
+        res = _parse_reads(replies[n_writes:], writes.watched)
+        res.index_lost = check_index and not replies[0]
+        return res
 
     def reply(self, reply_key: str, payload: bytes) -> None:
         with self.r.pipeline(transaction=False) as pipe:
             pipe.rpush(reply_key, payload)
             pipe.expire(reply_key, keys.CONTROL_TTL_S)
             pipe.execute()
+
+
+# Members per SADD when a whole block set is written (keeps each command's reply small).
+INDEX_CHUNK = 10_000
+
+
+def _write_index(pipe: Any, blocks: str, writes: StepWrites) -> None:
+    if writes.index_full is not None:
+        full = writes.index_full
+        pipe.sadd(blocks, keys.INDEX_MARKER)
+        for i in range(0, len(full), INDEX_CHUNK):
+            pipe.sadd(blocks, *full[i : i + INDEX_CHUNK])
+        pipe.expire(blocks, keys.LIVENESS_TTL_S)
+    added = [m for m, held in writes.index.items() if held]
+    removed = [m for m, held in writes.index.items() if not held]
+    if added:
+        pipe.sadd(blocks, *added)
+    if removed:
+        pipe.srem(blocks, *removed)
 
 
 def _parse_reads(replies: list[Any], watched: list[str]) -> PublishResult:

@@ -43,6 +43,7 @@ class Reaper:
         self.intake = intake
         self.r: redis.Redis = presence.connection
         self.clock = clock
+        self.model_id = presence.info.get("model", "")
         # peer id -> (passes in a row it looked dead, when the last of them counted)
         self._suspects: dict[str, tuple[int, float]] = {}
 
@@ -103,14 +104,15 @@ class Reaper:
         if ended:
             self._end(ended, error)
         self._retire(name)
+        self._forget_index(wid)
         log.warning("worker %s is dead (%s): failed its %d running job(s)", wid, since, len(ended))
         return [taken.id for taken in ended]
 
     def _running_on(self, worker_name: str, wid: str) -> list[TakenJob]:
-        """The started jobs whose execution belongs to that worker, in the shared queue and in
-        the dead worker's own queue."""
+        """The started jobs whose execution belongs to that worker, in its model's shared queue
+        (as far as this worker's own model's) and in the dead worker's own queue."""
         found: list[TakenJob] = []
-        for queue_name in (keys.SHARED_QUEUE, keys.worker_queue_name(wid)):
+        for queue_name in (keys.model_queue_name(self.model_id), keys.worker_queue_name(wid)):
             registry = StartedJobRegistry(queue_name, connection=self.r,
                                           serializer=MsgpackSerializer)  # fmt: skip
             for job_id, execution_id in registry.get_job_and_execution_ids(cleanup=False):
@@ -126,6 +128,15 @@ class Reaper:
                 if job.get_status(refresh=False) == JobStatus.STARTED:
                     found.append(TakenJob(job, execution, None))
         return found
+
+    def _forget_index(self, wid: str) -> None:
+        """The dead worker's routing entries go (routers stopped counting them when its
+        heartbeat stopped); its block set, if the info hash still names its epoch, too."""
+        epoch = self.r.hget(keys.worker_info(wid), "epoch")
+        doomed = [keys.worker_routed(wid), keys.worker_load(wid), keys.worker_prefill(wid)]
+        if epoch:
+            doomed.append(keys.worker_blocks(wid, epoch.decode()))
+        self.r.delete(*doomed)
 
     def _retire(self, worker_name: str) -> None:
         """rq's death for the dead worker's registration, so `rq info` stops listing it."""

@@ -367,15 +367,24 @@ class Engine:
 
     # -- stats, control --------------------------------------------------------------------
 
+    def drain(self) -> StepResult:
+        """What work outside the engine's calls (a cache reset) changed: counters, index."""
+        return self._drained(StepResult())
+
     def _drained(self, out: StepResult) -> StepResult:
         """Every call hands back what its work added to the counters, and a newer last reject."""
         out.counters = self.counters.take()
         if self.prompt_cache is not None:
             out.counters.update(self.prompt_cache.counters.take())
+            out.index.update(self.prompt_cache.store.index.take())
             last = self.prompt_cache.counters.last_reject
             if last is not None and last != self._last_reject_sent:
                 out.last_reject = self._last_reject_sent = dict(last)
         return out
+
+    def held_blocks(self) -> list[bytes]:
+        """Every block index member the prompt cache holds now (a full index rewrite)."""
+        return self.prompt_cache.store.index.held() if self.prompt_cache is not None else []
 
     def gauges(self) -> dict[str, Any]:
         g: dict[str, Any] = {}

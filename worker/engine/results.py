@@ -45,6 +45,8 @@ class StepResult:
     counters: dict[str, int] = field(default_factory=dict)
     last_reject: dict[str, Any] | None = None  # the newest reject record, when it changed
     prefill_pending: bool = False  # admit: something admitted still has its prefill ahead
+    # block index member -> held (True) or dropped (False) by the prompt cache in this call
+    index: dict[bytes, bool] = field(default_factory=dict)
 
     def emit(self, request: Request, *events: StreamEvent) -> None:
         """Queue events for the request's stream, numbered in the order they are emitted."""
@@ -68,4 +70,5 @@ class StepResult:
         if other.last_reject is not None:
             self.last_reject = other.last_reject
         self.prefill_pending = self.prefill_pending or other.prefill_pending
+        self.index.update(other.index)  # the later change wins
         return self

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from worker.prompt_cache.apc import BlockHasher, clamp_to_blocks
 from worker.prompt_cache.counters import CacheCounters
 from worker.prompt_cache.entries import StoredKV
+from worker.prompt_cache.index_log import BlockIndexLog
 from worker.prompt_cache.keys import CacheNamespace
 from worker.prompt_cache.trie import TokenTrie
 
@@ -71,11 +72,13 @@ class Shelf:
         names: CounterNames,
         counters: CacheCounters,
         hasher: BlockHasher | None,
+        index: BlockIndexLog | None = None,
     ) -> None:
         self.limits = limits
         self.names = names
         self.counters = counters
         self.hasher = hasher  # None: APC off, matches are not clamped to blocks
+        self.index = index  # told of each block hash the shelf starts or stops holding
         self._slots: OrderedDict[int, Slot] = OrderedDict()  # oldest use first
         self._tries: dict[CacheNamespace, TokenTrie] = {}
         self._hash_refs: dict[bytes, int] = {}
@@ -107,7 +110,10 @@ class Shelf:
         self._slots[entry_id] = Slot(entry_id, ns, session, entry, now, hashes)
         self._tries.setdefault(ns, TokenTrie()).insert(entry.tokens, entry_id)
         for h in hashes:
-            self._hash_refs[h] = self._hash_refs.get(h, 0) + 1
+            n = self._hash_refs.get(h, 0)
+            self._hash_refs[h] = n + 1
+            if n == 0 and self.index is not None:
+                self.index.add(h)
         self._bytes += entry.nbytes
         self.counters.record(self.names.inserts)
         return entry_id
@@ -127,6 +133,8 @@ class Shelf:
                 self._hash_refs[h] = left
             else:
                 del self._hash_refs[h]
+                if self.index is not None:
+                    self.index.remove(h)
         self._bytes -= slot.entry.nbytes
         return slot.entry
 

@@ -16,6 +16,7 @@ from worker.prompt_cache.apc import BlockHasher
 from worker.prompt_cache.block_pool import BlockPool
 from worker.prompt_cache.counters import CacheCounters
 from worker.prompt_cache.entries import PAGED, PagedEntry, StoredKV
+from worker.prompt_cache.index_log import BlockIndexLog
 from worker.prompt_cache.keys import CacheNamespace
 from worker.prompt_cache.shelf import MAIN_COUNTERS, SNAPSHOT_COUNTERS, Limits, Match, Shelf
 
@@ -76,10 +77,12 @@ class PromptStore:
         self.clock = clock
         self.record_reject = record_reject
         hasher = BlockHasher(config.apc_block_size, config.apc_hash) if config.apc_enabled else None
+        # The blocks routers may route by: the main shelf's (snapshots match whole prefixes only).
+        self.index = BlockIndexLog()
         self.main = Shelf(
             Limits(config.capacity_bytes, config.max_entries, config.ttl_s,
                    config.min_prefix_tokens),
-            MAIN_COUNTERS, counters, hasher,
+            MAIN_COUNTERS, counters, hasher, self.index,
         )  # fmt: skip
         self.snapshots = Shelf(
             Limits(config.snapshot_capacity_bytes, config.snapshot_max_entries,

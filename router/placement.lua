@@ -1,0 +1,168 @@
+-- Admission and placement in ONE atomic step (router/admission_ledger.py calls it).
+--
+-- Admits a request against the pool's bounds, picks the live worker of its model that should
+-- run it, and reserves both before returning: two routers can never both book the last slot or
+-- the same idle worker, and nothing is enqueued for a request that was refused.
+--
+-- KEYS: 1 admission inflight zset, 2 admission queued hash, 3 worker roster set,
+--       4 routing stats hash, 5 round-robin cursor
+-- ARGV: 1 request id, 2 reservation ttl ms, 3 prompt tokens, 4 max inflight,
+--       5 max inflight per worker, 6 max queued prompt tokens, 7 min alive PTTL ms,
+--       8 info key template, 9 blocks key template, 10 routed template, 11 load template,
+--       12 prefill template, 13 model id, 14 policy, 15 block size, 16 min useful match,
+--       17 decode weight (tokens per running sequence), 18 balance abs, 19 balance rel,
+--       20 routed ttl ms, 21.. the prompt's block index members, in order
+-- Returns {1, outcome, worker id or '', predicted cached tokens, cost, inflight, bound,
+--          the routed marks' score (0: none written)}
+--      or {0, 'inflight' | 'tokens', current, bound}
+
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+
+local function key(template, wid, epoch)
+  local k = string.gsub(template, '{wid}', wid)
+  if epoch then k = string.gsub(k, '{epoch}', epoch) end
+  return k
+end
+
+local function purge(zset, hash)
+  local lapsed = redis.call('ZRANGEBYSCORE', zset, '-inf', now)
+  for i = 1, #lapsed, 1000 do
+    redis.call('HDEL', hash, unpack(lapsed, i, math.min(i + 999, #lapsed)))
+  end
+  if #lapsed > 0 then redis.call('ZREMRANGEBYSCORE', zset, '-inf', now) end
+end
+
+purge(KEYS[1], KEYS[2])
+
+local rid, ttl, prompt = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local limit, per_worker = tonumber(ARGV[4]), tonumber(ARGV[5])
+local max_queued, min_pttl = tonumber(ARGV[6]), tonumber(ARGV[7])
+local model, policy = ARGV[13], ARGV[14]
+local block_size, min_match = tonumber(ARGV[15]), tonumber(ARGV[16])
+local decode_weight = tonumber(ARGV[17])
+local balance_abs, balance_rel = tonumber(ARGV[18]), tonumber(ARGV[19])
+local routed_ttl = tonumber(ARGV[20])
+local members = {}
+for i = 21, #ARGV do members[#members + 1] = ARGV[i] end
+
+-- The live workers of the model, each with its load (its lapsed placements purged first).
+local live = {}
+for _, wid in ipairs(redis.call('SMEMBERS', KEYS[3])) do
+  local info = key(ARGV[8], wid)
+  if redis.call('PTTL', info) > min_pttl then
+    local f = redis.call('HMGET', info, 'model', 'epoch', 'storage_mode', 'paged_block_size')
+    if f[1] == model then
+      local load, prefill = key(ARGV[11], wid), key(ARGV[12], wid)
+      purge(load, prefill)
+      local queued = 0
+      for _, v in ipairs(redis.call('HVALS', prefill)) do queued = queued + tonumber(v) end
+      -- A paged cache adopts whole pages: what it can reuse is floored to its page size.
+      local unit = 1
+      if f[3] == 'paged' then unit = tonumber(f[4]) or 1 end
+      live[#live + 1] = {wid = wid, epoch = f[2] or '', running = redis.call('ZCARD', load),
+                         queued = queued, cached = 0, unit = math.max(unit, 1)}
+    end
+  end
+end
+table.sort(live, function(a, b) return a.wid < b.wid end)
+
+-- The pool's bounds (the per-worker one times the live workers of this model).
+if per_worker > 0 and #live > 0 and (limit == 0 or per_worker * #live < limit) then
+  limit = per_worker * #live
+end
+local n = redis.call('ZCARD', KEYS[1])
+if limit > 0 and n >= limit then return {0, 'inflight', n, limit} end
+if max_queued > 0 then
+  local queued = 0
+  for _, v in ipairs(redis.call('HVALS', KEYS[2])) do queued = queued + tonumber(v) end
+  if queued > 0 and queued + prompt > max_queued then return {0, 'tokens', queued, max_queued} end
+end
+
+-- Workers below their own bound.
+local open = {}
+for _, w in ipairs(live) do
+  if per_worker == 0 or w.running < per_worker then open[#open + 1] = w end
+end
+if #live > 0 and #open == 0 then return {0, 'inflight', n, limit} end
+
+-- How many of the prompt's leading blocks the worker holds or was already sent.
+local function cached_tokens(w)
+  if #members == 0 then return 0 end
+  local held = redis.call('SMISMEMBER', key(ARGV[9], w.wid, w.epoch), unpack(members))
+  local routed = redis.call('ZMSCORE', key(ARGV[10], w.wid), unpack(members))
+  local k = 0
+  while k < #members and (held[k + 1] == 1 or (routed[k + 1] and tonumber(routed[k + 1]) > now)) do
+    k = k + 1
+  end
+  local tokens = math.min(k * block_size, prompt - 1)
+  tokens = tokens - tokens % w.unit
+  if tokens < min_match then return 0 end
+  return tokens
+end
+
+local function load_of(w) return w.queued + decode_weight * w.running end
+
+local chosen, outcome, cost = nil, 'no_worker', 0
+if #open > 0 then
+  if policy == 'round_robin' then
+    local cursor = redis.call('INCR', KEYS[5])
+    chosen, outcome = open[(cursor - 1) % #open + 1], 'round_robin'
+    chosen.cached = cached_tokens(chosen)
+  elseif policy == 'least_loaded' then
+    for _, w in ipairs(open) do
+      if chosen == nil or load_of(w) < load_of(chosen) then chosen = w end
+    end
+    outcome = 'load'
+    chosen.cached = cached_tokens(chosen)
+  else -- cache_aware: lowest cost = prompt tokens still to compute + the worker's load
+    local best, lightest, hi, lo = nil, nil, nil, nil
+    for _, w in ipairs(live) do  -- the best match among all, so a full worker's shows as a spill
+      w.cached = cached_tokens(w)
+      if w.cached > 0 and (best == nil or w.cached > best.cached) then best = w end
+    end
+    for _, w in ipairs(open) do
+      w.cost = prompt - w.cached + load_of(w)
+      if chosen == nil or w.cost < chosen.cost then chosen = w end
+      if lightest == nil or load_of(w) < load_of(lightest) then lightest = w end
+      if hi == nil or w.running > hi then hi = w.running end
+      if lo == nil or w.running < lo then lo = w.running end
+    end
+    -- SGLang's imbalance gate: once the busiest open worker runs far more than the idlest,
+    -- load decides alone, so a hot prefix spills instead of piling onto one worker.
+    if hi - lo > balance_abs and hi > balance_rel * lo then chosen = lightest end
+    if best == nil then outcome = 'load'
+    elseif chosen == best then outcome = 'cache'
+    else outcome = 'spill' end
+  end
+  cost = prompt - chosen.cached + load_of(chosen)
+end
+
+-- Reserve: the pool's ledger, then the worker's load and the blocks now on their way to it.
+redis.call('ZADD', KEYS[1], now + ttl, rid)
+if prompt > 0 then redis.call('HSET', KEYS[2], rid, prompt) end
+redis.call('HINCRBY', KEYS[4], 'decisions:' .. outcome, 1)
+if chosen == nil then return {1, outcome, '', 0, 0, n + 1, limit, 0} end
+local load, prefill = key(ARGV[11], chosen.wid), key(ARGV[12], chosen.wid)
+redis.call('ZADD', load, now + ttl, rid)
+redis.call('HSET', prefill, rid, prompt - chosen.cached)
+redis.call('PEXPIRE', load, routed_ttl)
+redis.call('PEXPIRE', prefill, routed_ttl)
+local routed_score = 0
+if #members > 0 and policy == 'cache_aware' then
+  routed_score = now + routed_ttl
+  local routed = key(ARGV[10], chosen.wid)
+  redis.call('ZREMRANGEBYSCORE', routed, '-inf', now)
+  local scored = {}
+  for _, m in ipairs(members) do
+    scored[#scored + 1] = routed_score
+    scored[#scored + 1] = m
+  end
+  for i = 1, #scored, 2000 do
+    redis.call('ZADD', routed, unpack(scored, i, math.min(i + 1999, #scored)))
+  end
+  redis.call('PEXPIRE', routed, routed_ttl)
+end
+redis.call('HINCRBY', KEYS[4], 'predicted_tokens:' .. chosen.wid, chosen.cached)
+redis.call('HINCRBY', KEYS[4], 'routed:' .. chosen.wid, 1)
+return {1, outcome, chosen.wid, chosen.cached, cost, n + 1, limit, routed_score}

@@ -1,0 +1,29 @@
+"""The router's Prometheus view of its routing decisions (the pool-wide totals, over every
+router, are in Redis: `mlxcel:routing:stats`, served as the `routing` section of
+/v1/cache/stats)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from shared.metrics import (
+    ROUTING_DECISIONS,
+    ROUTING_PREDICTED_TOKENS,
+    ROUTING_PREDICTED_TOTAL,
+    ROUTING_REUSED_TOTAL,
+)
+
+if TYPE_CHECKING:
+    from router.admission_ledger import Placement
+
+
+def observe_placement(placed: Placement) -> None:
+    ROUTING_DECISIONS.labels(placed.outcome).inc()
+    if placed.worker_id:
+        ROUTING_PREDICTED_TOKENS.observe(placed.predicted_tokens)
+        ROUTING_PREDICTED_TOTAL.labels(placed.worker_id).inc(placed.predicted_tokens)
+
+
+def observe_start(worker_id: str, cached_tokens: int) -> None:
+    if worker_id:
+        ROUTING_REUSED_TOTAL.labels(worker_id).inc(cached_tokens)

@@ -1,0 +1,206 @@
+"""Cache-aware routing through a real pool of two workers and two router processes: requests that
+share a prefix follow the worker holding it, and go elsewhere (still answered) once it evicts
+the prefix, is saturated, loses its index, or dies. The decisions alone, on Redis, are in
+tests/test_routing_ledger.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from router.routes.generation import WORKER_HEADER
+from shared import keys
+from shared.block_hash import BlockHasher, CacheNamespace, index_members
+from tests.pool_fixture import running_pool, wait_for
+
+MODEL = "mlxcel-tiny-s0"
+WORKERS = ("w1", "w2")
+# Three per worker: a burst of six the same prefix spreads over both.
+PER_WORKER = 3
+
+
+def toks(n: int, start: int) -> list[int]:
+    return [start + (i * 7) % 300 for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def pool(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    env = {"MLXCEL_MAX_INFLIGHT_PER_WORKER": str(PER_WORKER), "MLXCEL_STEAL_AFTER_MS": "300"}
+    with running_pool(tiny_model_dir, tmp_path_factory.mktemp("routing"), workers=2,
+                      env=env) as p:  # fmt: skip
+        p.r = redis.Redis.from_url(p.redis_url)
+        wait_for(lambda: all(_alive(p, w) for w in WORKERS), 60, "both workers live")
+        yield p
+
+
+def _alive(pool, wid: str) -> bool:
+    return pool.r.pttl(keys.worker_info(wid)) > (keys.LIVENESS_TTL_S - 5) * 1000
+
+
+def _complete(pool, prompt: list[int], max_tokens: int = 4) -> tuple[str, int]:
+    """(the worker that served it, the prompt tokens it reused)."""
+    resp = httpx.post(f"{pool.url}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})  # fmt: skip
+    assert resp.status_code == 200, resp.text
+    return resp.headers[WORKER_HEADER], resp.json()["usage"]["prompt_tokens_details"][
+        "cached_tokens"]  # fmt: skip
+
+
+def _holds(pool, wid: str, prompt: list[int]) -> int:
+    """How many of the prompt's leading blocks the worker's index in Redis lists."""
+    epoch = pool.r.hget(keys.worker_info(wid), "epoch").decode()
+    members = index_members(BlockHasher(16).chain(prompt, CacheNamespace(MODEL).seed()))
+    held = pool.r.smismember(keys.worker_blocks(wid, epoch), members)
+    return next((i for i, h in enumerate(held) if not h), len(held))
+
+
+def _stats(pool) -> dict[str, int]:
+    return {k.decode(): int(v) for k, v in pool.r.hgetall(keys.routing_stats()).items()}
+
+
+def _other(wid: str) -> str:
+    return WORKERS[1 - WORKERS.index(wid)]
+
+
+PREFIX = toks(96, 200)  # six blocks
+
+
+def tail(k: int) -> list[int]:
+    """A request's own 8 tokens after the prefix (k apart: every request differs)."""
+    return [600 + (k * 11 + i) % 400 for i in range(8)]
+
+
+def test_requests_sharing_a_prefix_follow_the_worker_that_holds_it(pool) -> None:
+    holder, reused = _complete(pool, PREFIX + tail(600))
+    assert reused == 0
+    # The finished sequence is in the holder's cache, and its index says so.
+    wait_for(lambda: _holds(pool, holder, PREFIX) == 6, 10, "the holder's index lists the prefix")
+    assert _holds(pool, _other(holder), PREFIX) == 0
+    before = _stats(pool).get("decisions:cache", 0)
+    for k in range(6):  # two router processes answer these in turn: both follow the index
+        served, reused = _complete(pool, PREFIX + tail(610 + 9 * k))
+        assert served == holder
+        assert reused >= 64, reused
+    stats = _stats(pool)
+    assert stats["decisions:cache"] - before == 6
+    # What the router predicted and what the worker reused, side by side per worker.
+    assert stats[f"predicted_tokens:{holder}"] > 0 and stats[f"reused_tokens:{holder}"] > 0
+
+
+def test_a_hot_prefix_spreads_to_the_second_worker_under_load(pool) -> None:
+    holder, _ = _complete(pool, PREFIX + tail(700))
+
+    async def burst() -> list[str]:
+        async with httpx.AsyncClient(base_url=pool.url, timeout=60) as client:
+
+            async def one(k: int) -> str:
+                resp = await client.post("/v1/completions", json={
+                    "model": MODEL, "prompt": PREFIX + tail(710 + 9 * k), "max_tokens": 24,
+                    "temperature": 0})  # fmt: skip
+                assert resp.status_code == 200, resp.text
+                return resp.headers[WORKER_HEADER]
+
+            return await asyncio.gather(*(one(k) for k in range(2 * PER_WORKER)))
+
+    served = asyncio.run(burst())
+    assert served.count(holder) == PER_WORKER and served.count(_other(holder)) == PER_WORKER
+    assert _stats(pool).get("decisions:spill", 0) >= 1
+
+
+def test_a_lost_index_is_written_again_whole(pool) -> None:
+    holder, _ = _complete(pool, PREFIX + tail(800))
+    wait_for(lambda: _holds(pool, holder, PREFIX) == 6, 10, "indexed")
+    epoch = pool.r.hget(keys.worker_info(holder), "epoch").decode()
+    size = pool.r.scard(keys.worker_blocks(holder, epoch))
+    pool.r.delete(keys.worker_blocks(holder, epoch))  # as a Redis flush or restart would
+    wait_for(lambda: pool.r.scard(keys.worker_blocks(holder, epoch)) >= size, 10, "rewritten")
+    assert _complete(pool, PREFIX + tail(810))[0] == holder
+
+
+def test_after_the_holder_evicts_the_prefix_requests_go_by_load(pool) -> None:
+    holder, _ = _complete(pool, PREFIX + tail(900))
+    resp = httpx.post(f"{pool.url}/v1/cache/reset", timeout=30)
+    assert resp.status_code == 200
+    for wid in WORKERS:  # only the marker is left in each index
+        wait_for(lambda w=wid: _holds(pool, w, PREFIX) == 0, 10, f"{wid}'s index emptied")
+    before = _stats(pool).get("decisions:load", 0)
+    served, reused = _complete(pool, PREFIX + tail(910))
+    assert reused == 0 and served in WORKERS
+    assert _stats(pool)["decisions:load"] == before + 1
+
+
+def test_when_the_holder_dies_its_requests_are_served_elsewhere(pool) -> None:
+    holder, _ = _complete(pool, PREFIX + tail(1000 - 300))
+    wait_for(lambda: _holds(pool, holder, PREFIX) == 6, 10, "indexed")
+    os.kill(pool.pid(holder), signal.SIGKILL)
+    # Routed at once, while the dead worker still looks alive: its queue is taken over by the
+    # live one, which answers (the client never sees the death).
+    served, _ = _complete(pool, PREFIX + tail(720))
+    assert served == _other(holder)
+    served, _ = _complete(pool, PREFIX + tail(730))
+    assert served == _other(holder)
+    # It comes back under a new epoch: its last life's blocks never count again.
+    old_epoch = pool.r.hget(keys.worker_info(holder), "epoch")
+    pool.start_worker(holder)
+    wait_for(lambda: pool.r.hget(keys.worker_info(holder), "epoch") not in (None, old_epoch),
+             120, "the holder restarted")  # fmt: skip
+    wait_for(lambda: _alive(pool, holder), 30, "live again")
+    assert _holds(pool, holder, PREFIX) == 0
+    assert _complete(pool, PREFIX + tail(740))[0] == _other(holder)
+
+
+def test_two_models_in_one_pool_each_request_runs_on_a_worker_of_its_model(
+    pool, cache_dir: Path
+) -> None:
+    from devmodel.builder import ensure_model
+
+    other_dir = ensure_model(cache_dir, "tiny", seed=1)
+    other = other_dir.name  # the model id its worker registers
+    pool.start_worker("b1", model=other_dir)
+    wait_for(lambda: _alive(pool, "b1"), 120, "the second model's worker")
+
+    def listed() -> list[str]:
+        return [m["id"] for m in httpx.get(f"{pool.url}/v1/models", timeout=10).json()["data"]]
+
+    wait_for(lambda: other in listed(), 10, "the second model listed")
+    assert listed()[0] == MODEL
+    assert httpx.get(f"{pool.url}/v1/models/{other}", timeout=10).json()["id"] == other
+
+    def run(model: str) -> tuple[str, str]:
+        resp = httpx.post(f"{pool.url}/v1/completions", timeout=60, json={
+            "model": model, "prompt": PREFIX, "max_tokens": 6, "temperature": 0})  # fmt: skip
+        assert resp.status_code == 200, resp.text
+        return resp.headers[WORKER_HEADER], resp.json()["choices"][0]["text"]
+
+    served = [run(other) for _ in range(3)]
+    assert {w for w, _ in served} == {"b1"}
+    mine = [run(MODEL) for _ in range(3)]
+    assert {w for w, _ in mine} <= set(WORKERS)
+    assert served[0][1] != mine[0][1]  # other weights: the other model really ran it
+
+    unknown = httpx.post(
+        f"{pool.url}/v1/completions",
+        timeout=30,
+        json={"model": "no-such-model", "prompt": "hi", "max_tokens": 2},
+    )
+    assert unknown.status_code == 404
+    assert unknown.json()["error"]["code"] == "model_not_found"
+    assert MODEL in unknown.json()["error"]["message"] and other in unknown.json()["error"][
+        "message"]  # fmt: skip
+
+    # Its only worker stops: the model leaves the list, and its requests get a clear 503.
+    pool.stop_worker("b1")
+    wait_for(lambda: other not in listed(), 30, "the second model unlisted")
+    gone = httpx.post(
+        f"{pool.url}/v1/completions",
+        timeout=30,
+        json={"model": other, "prompt": PREFIX, "max_tokens": 2},
+    )
+    assert gone.status_code in (404, 503), gone.text
+    assert gone.json()["error"]["code"] in ("model_not_found", "no_live_worker")

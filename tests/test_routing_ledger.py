@@ -1,0 +1,228 @@
+"""Placement on a real Redis: the one script that admits a request and picks its worker, against
+worker records written as workers write them (info hash with model and epoch, block set under
+that epoch). The pool end to end, with real workers, is tests/test_routing_e2e.py."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from router.admission_ledger import AdmissionLedger, Placement, Refusal
+from shared import keys
+from shared.block_hash import BlockHasher, CacheNamespace, index_members
+from shared.config import AdmissionConfig, PromptCacheConfig, RoutingConfig
+from shared.liveness import min_alive_pttl_ms
+
+MODEL = "m"
+HASHER = BlockHasher(16, "sha256")
+
+
+def _members(tokens: list[int], model: str = MODEL) -> list[bytes]:
+    return index_members(HASHER.chain(tokens, CacheNamespace(model).seed()))
+
+
+def _ledger(redis_url: str, policy: str = "cache_aware", **admission: Any) -> AdmissionLedger:
+    config = AdmissionConfig(**{"max_inflight": 0, "max_inflight_per_worker": 0,
+                                "max_queued_prompt_tokens": 0, **admission})  # fmt: skip
+    return AdmissionLedger(config, RoutingConfig(policy=policy), PromptCacheConfig(),
+                           redis.Redis.from_url(redis_url),
+                           aioredis.Redis.from_url(redis_url))  # fmt: skip
+
+
+def _worker(r: redis.Redis, wid: str, *, model: str = MODEL, epoch: str = "e1",
+            alive: bool = True, holds: list[int] | None = None) -> None:  # fmt: skip
+    r.sadd(keys.workers_roster(), wid)
+    info = keys.worker_info(wid)
+    r.hset(info, mapping={"pid": "1", "model": model, "epoch": epoch})
+    r.pexpire(info, keys.LIVENESS_TTL_S * 1000 if alive else min_alive_pttl_ms() - 1000)
+    blocks = keys.worker_blocks(wid, epoch)
+    r.sadd(blocks, keys.INDEX_MARKER)
+    if holds:
+        r.sadd(blocks, *_members(holds, model))
+
+
+def _place(ledger: AdmissionLedger, rid: str, tokens: list[int], model: str = MODEL) -> Placement:
+    placed = ledger.reserve(rid, len(tokens), model, _members(tokens, model))
+    assert isinstance(placed, Placement), placed
+    return placed
+
+
+SYSTEM = list(range(100, 228))  # 8 blocks: a long shared system prompt
+
+
+def test_a_request_goes_to_the_worker_holding_its_prefix(redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    _worker(r, "w1")
+    _worker(r, "w2", holds=SYSTEM + [1] * 16)
+    _worker(r, "w3")
+    placed = _place(_ledger(redis_url), "a", SYSTEM + [5] * 20)
+    assert (placed.worker_id, placed.outcome, placed.predicted_tokens) == ("w2", "cache", 128)
+    # Reserved there: the worker's load, its prefill, the pool's ledger, the decision's counter.
+    assert r.zscore(keys.worker_load("w2"), "a") is not None
+    assert int(r.hget(keys.worker_prefill("w2"), "a")) == len(SYSTEM) + 20 - 128
+    assert r.zscore(keys.admission_inflight(), "a") is not None
+    assert int(r.hget(keys.routing_stats(), "decisions:cache")) == 1
+    assert int(r.hget(keys.routing_stats(), "predicted_tokens:w2")) == 128
+
+
+def test_no_useful_match_goes_to_the_least_loaded_worker(redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    _worker(r, "w1")
+    _worker(r, "w2", holds=SYSTEM[:16])  # one block: under min_prefix_tokens (32), worth nothing
+    ledger = _ledger(redis_url)
+    first = _place(ledger, "a", SYSTEM + [7] * 10)
+    assert first.outcome == "load" and first.predicted_tokens == 0
+    second = _place(ledger, "b", list(range(900, 950)))
+    assert second.outcome == "load" and second.worker_id != first.worker_id
+
+
+def test_blocks_under_another_epoch_or_of_a_dead_worker_never_count(redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    _worker(r, "w1")
+    _worker(r, "w2", epoch="new")
+    r.sadd(keys.worker_blocks("w2", "old"), *_members(SYSTEM))  # a zombie's, or the last life's
+    _worker(r, "w3", alive=False, holds=SYSTEM)
+    placed = _place(_ledger(redis_url), "a", SYSTEM + [3] * 8)
+    assert placed.outcome == "load" and placed.worker_id in ("w1", "w2")
+    assert placed.predicted_tokens == 0
+
+
+def test_a_prefix_still_prefilling_counts_for_the_worker_it_was_sent_to(redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    for wid in ("w1", "w2", "w3"):
+        _worker(r, wid)
+    ledger = _ledger(redis_url)
+
+    async def life() -> None:
+        first = _place(ledger, "a", SYSTEM + [1] * 5)
+        assert first.outcome == "load"
+        # Its worker started it (its prompt no longer waits there), and its blocks are not in
+        # that worker's cache yet: they count as cached for the next request all the same.
+        await ledger.started("a", first.worker_id, 0)
+        second = _place(ledger, "b", SYSTEM + [2] * 5)
+        assert (second.worker_id, second.outcome, second.predicted_tokens) == (
+            first.worker_id, "cache", 128)  # fmt: skip
+        # The marks go with the request that wrote them last; until then they stay.
+        routed = keys.worker_routed(first.worker_id)
+        await ledger.release("a")
+        assert r.zcard(routed) == 8
+        await ledger.release("b")
+        assert r.zcard(routed) == 0
+        third = _place(ledger, "c", SYSTEM + [3] * 5)
+        assert third.outcome == "load" and third.predicted_tokens == 0
+
+    asyncio.run(life())
+
+
+def test_a_saturated_worker_spills_a_hot_prefix_to_a_second_one(redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    _worker(r, "w1", holds=SYSTEM)
+    _worker(r, "w2")
+    ledger = _ledger(redis_url, max_inflight_per_worker=4)
+    placed = [_place(ledger, f"r{i}", SYSTEM + [i] * 4) for i in range(6)]
+    assert [p.worker_id for p in placed[:4]] == ["w1"] * 4
+    assert all(p.outcome == "cache" for p in placed[:4])
+    # w1 is at its bound: the rest spill to w2 (which then holds the prefix on its way).
+    assert placed[4].worker_id == "w2" and placed[4].outcome == "spill"
+    assert placed[5].worker_id == "w2"
+    refused = ledger.reserve("r6", 140, MODEL, _members(SYSTEM))
+    refused2 = [ledger.reserve(f"x{i}", 140, MODEL, []) for i in range(3)]
+    assert isinstance(refused, Placement) and refused.worker_id == "w2"
+    assert [isinstance(x, Refusal) for x in refused2] == [False, True, True]
+
+
+def test_the_imbalance_gate_lets_load_decide(redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    _worker(r, "w1", holds=SYSTEM)
+    _worker(r, "w2")
+    # w1 runs 40 sequences already (placed by other routers), w2 none.
+    r.zadd(keys.worker_load("w1"), {f"busy{i}": 10**13 for i in range(40)})
+    placed = _place(_ledger(redis_url), "a", SYSTEM + [9] * 4)
+    assert (placed.worker_id, placed.outcome) == ("w2", "spill")
+
+
+def test_round_robin_and_least_loaded_ignore_the_caches(redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    _worker(r, "w1", holds=SYSTEM)
+    _worker(r, "w2")
+    rr = _ledger(redis_url, policy="round_robin")
+    picks = [_place(rr, f"rr{i}", SYSTEM + [i]).worker_id for i in range(4)]
+    assert sorted(picks) == ["w1", "w1", "w2", "w2"] and picks[0] != picks[1]
+    for wid in ("w1", "w2"):
+        r.delete(keys.worker_load(wid), keys.worker_prefill(wid))
+    r.zadd(keys.worker_load("w1"), {"busy": 10**13})
+    least = _place(_ledger(redis_url, policy="least_loaded"), "ll", SYSTEM + [1])
+    assert (least.worker_id, least.outcome) == ("w2", "load")
+
+
+def test_only_workers_of_the_requested_model_are_considered(redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    _worker(r, "a1", model="alpha", holds=SYSTEM)
+    _worker(r, "b1", model="beta")
+    ledger = _ledger(redis_url)
+    assert _place(ledger, "x", SYSTEM + [1], model="alpha").worker_id == "a1"
+    assert _place(ledger, "y", SYSTEM + [1], model="beta").worker_id == "b1"
+    none = _place(ledger, "z", SYSTEM, model="gamma")
+    assert (none.worker_id, none.outcome) == ("", "no_worker")
+
+
+def test_a_start_elsewhere_moves_the_placement_and_release_frees_it(redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    _worker(r, "w1", holds=SYSTEM)
+    _worker(r, "w2")
+    ledger = _ledger(redis_url)
+    placed = _place(ledger, "a", SYSTEM + [4] * 3)
+    assert placed.worker_id == "w1"
+
+    async def life() -> None:
+        await ledger.started("a", "w2", 64)  # w2 took it from w1's queue
+        assert r.zscore(keys.worker_load("w1"), "a") is None
+        assert r.zscore(keys.worker_load("w2"), "a") is not None
+        assert r.hget(keys.worker_prefill("w1"), "a") is None
+        assert r.hget(keys.admission_queued_tokens(), "a") is None
+        await ledger.release("a")
+
+    asyncio.run(life())
+    assert r.zcard(keys.worker_load("w2")) == 0 and r.zcard(keys.admission_inflight()) == 0
+    stats = {k.decode(): int(v) for k, v in r.hgetall(keys.routing_stats()).items()}
+    assert stats["reused_tokens:w2"] == 64 and stats["taken_over:w2"] == 1
+
+
+@pytest.mark.parametrize("routers", [2, 4])
+def test_routers_racing_never_book_one_slot_twice(redis_url: str, routers: int) -> None:
+    """Several router processes' ledgers place at once: each idle worker's single slot goes to
+    exactly one of them, and the rest are refused."""
+    r = redis.Redis.from_url(redis_url)
+    for wid in ("w1", "w2"):
+        _worker(r, wid)
+    ledgers = [_ledger(redis_url, max_inflight_per_worker=1) for _ in range(routers)]
+    answers: list[Placement | Refusal] = []
+    lock, start = threading.Lock(), threading.Barrier(routers)
+
+    def go(i: int) -> None:
+        start.wait()
+        got = ledgers[i].reserve(f"r{i}", 10, MODEL, _members(SYSTEM))
+        with lock:
+            answers.append(got)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(routers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    placed = sorted(a.worker_id for a in answers if isinstance(a, Placement))
+    assert placed == ["w1", "w2"]
+    assert sum(isinstance(a, Refusal) for a in answers) == routers - 2
+
+
+def test_a_paged_workers_match_is_floored_to_its_pages(redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    _worker(r, "w1", holds=SYSTEM[:48])  # three 16-token blocks
+    r.hset(keys.worker_info("w1"), mapping={"storage_mode": "paged", "paged_block_size": "32"})
+    placed = _place(_ledger(redis_url), "a", SYSTEM)
+    assert (placed.outcome, placed.predicted_tokens) == ("cache", 32)  # it adopts one page

@@ -1,0 +1,139 @@
+"""Work a worker with free slots may take from its peers' queues, so no request waits behind a
+busy worker while another idles, and none is stranded in a dead worker's queue.
+
+Routers place most requests on one worker's own queue (cache-aware routing). A job there that
+has waited `steal_after_s` (its worker's batch is full, or its step is long) may be taken by a
+live peer of the same model; every job in a dead peer's queue may be taken at once. Ages are
+measured against rq's `enqueued_at` on this host's clock.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import redis
+from rq import Queue
+from rq.job import Job
+
+from shared import keys
+from shared.liveness import is_alive
+from shared.wire import MsgpackSerializer
+
+log = logging.getLogger("mlxcel.worker.peers")
+
+# How often a worker with free slots and nothing of its own queued looks at its peers' queues.
+STEAL_CHECK_INTERVAL_S = 0.25
+# How many queued jobs of one peer are looked at per check.
+PEEK = 64
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A peer's queue and how many jobs at its head this worker may take."""
+
+    queue: Queue
+    takeable: int
+    dead: bool
+
+
+class PeerQueues:
+    def __init__(
+        self,
+        connection: redis.Redis,
+        worker_id: str,
+        model_id: str,
+        steal_after_s: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.r = connection
+        self.worker_id = worker_id
+        self.model_id = model_id
+        self.steal_after_s = steal_after_s
+        self.clock = clock
+        self._next_check = 0.0
+
+    def due(self, now: float) -> bool:
+        if now < self._next_check:
+            return False
+        self._next_check = now + STEAL_CHECK_INTERVAL_S
+        return True
+
+    def waiting(self) -> list[Waiting]:
+        """Peers' queues with jobs this worker may take, dead peers' first."""
+        peers = sorted(
+            w for w in (m.decode() for m in self.r.smembers(keys.workers_roster()))
+            if w != self.worker_id
+        )  # fmt: skip
+        if not peers:
+            return []
+        with self.r.pipeline(transaction=False) as pipe:
+            for wid in peers:
+                pipe.pttl(keys.worker_info(wid))
+                pipe.hget(keys.worker_info(wid), "model")
+                pipe.lrange(_queue_key(wid), 0, PEEK - 1)
+            replies = pipe.execute()
+        found: list[Waiting] = []
+        for i, wid in enumerate(peers):
+            pttl, model, job_ids = replies[3 * i : 3 * i + 3]
+            if not job_ids:
+                continue
+            ids = [j.decode() for j in job_ids]
+            dead = not is_alive(int(pttl))
+            if dead:
+                if self._model_of(ids[0]) not in (None, self.model_id):
+                    continue
+                found.append(Waiting(self._queue(wid), len(ids), True))
+            elif model is not None and model.decode() == self.model_id:
+                old = self._old_prefix(ids)
+                if old:
+                    found.append(Waiting(self._queue(wid), old, False))
+        found.sort(key=lambda w: not w.dead)
+        return found
+
+    def _old_prefix(self, job_ids: list[str]) -> int:
+        """How many jobs at the queue's head have waited at least steal_after_s (FIFO: the old
+        ones come first)."""
+        with self.r.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hget(Job.key_for(job_id), "enqueued_at")
+            stamps = pipe.execute()
+        cutoff = self.clock() - self.steal_after_s
+        n = 0
+        for raw in stamps:
+            at = _parse_time(raw)
+            if at is None or at > cutoff:
+                break
+            n += 1
+        return n
+
+    def _model_of(self, job_id: str) -> str | None:
+        try:
+            job = Job.fetch(job_id, connection=self.r, serializer=MsgpackSerializer)
+            request = job.kwargs.get("request") or {}
+            model = request.get("model") if isinstance(request, dict) else None
+        except redis.RedisError:
+            raise
+        except Exception:  # gone meanwhile, or unreadable: intake fails an unreadable job
+            return None
+        return model if isinstance(model, str) else None
+
+    def _queue(self, wid: str) -> Queue:
+        return Queue(keys.worker_queue_name(wid), connection=self.r, serializer=MsgpackSerializer)
+
+
+def _queue_key(wid: str) -> str:
+    return Queue.redis_queue_namespace_prefix + keys.worker_queue_name(wid)
+
+
+def _parse_time(raw: bytes | None) -> float | None:
+    if not raw:
+        return None
+    text = raw.decode().rstrip("Z")
+    try:
+        return datetime.fromisoformat(text).replace(tzinfo=UTC).timestamp()
+    except ValueError:
+        return None
