@@ -81,13 +81,13 @@ def _invalid(message: str, param: str | None = None) -> _Refused:
 
 
 def _check_common(body: CompletionRequest | ChatCompletionRequest, ctx: AdmissionContext) -> None:
-    if body.model != ctx.model_id:
+    if body.model is not None and body.model != ctx.model_id:
         raise _Refused(
             Outcome.UNKNOWN_MODEL,
             f"The model '{body.model}' does not exist; this pool serves '{ctx.model_id}'.",
             "model",
         )
-    if body.n != 1:
+    if body.n not in (None, 1):
         raise _invalid("Only n=1 is supported.", "n")
     if body.seed is not None and not 0 <= body.seed <= MAX_SEED:
         raise _invalid(f"'seed' must be an integer in [0, 2**63 - 1], got {body.seed}.", "seed")
@@ -178,6 +178,7 @@ def _chat_tokens(body: ChatCompletionRequest, ctx: AdmissionContext) -> tuple[li
 
 
 def _build(
+    model_id: str,
     body: CompletionRequest | ChatCompletionRequest,
     tokens: list[int],
     max_tokens: int,
@@ -185,7 +186,7 @@ def _build(
 ) -> GenerationRequest:
     return GenerationRequest(
         request_id=uuid.uuid4().hex,
-        model=body.model,
+        model=model_id,
         prompt_tokens=tokens,
         max_tokens=max_tokens,
         temperature=0.0 if body.temperature is None else float(body.temperature),
@@ -204,7 +205,7 @@ def admit_completion(body: CompletionRequest, ctx: AdmissionContext) -> Admissio
         _stop_list(body.stop)
         tokens = _completion_tokens(body, ctx.tokenizer)
         max_tokens = _max_tokens(body.max_tokens, "max_tokens", len(tokens), "prompt", ctx)
-        return Admission(Outcome.ADMIT, _build(body, tokens, max_tokens, ""))
+        return Admission(Outcome.ADMIT, _build(ctx.model_id, body, tokens, max_tokens, ""))
     except _Refused as refused:
         return refused.admission
 
@@ -221,6 +222,6 @@ def admit_chat(body: ChatCompletionRequest, ctx: AdmissionContext) -> Admission:
             else ("max_tokens", body.max_tokens)
         )
         max_tokens = _max_tokens(requested, param, len(tokens), "messages", ctx)
-        return Admission(Outcome.ADMIT, _build(body, tokens, max_tokens, signature))
+        return Admission(Outcome.ADMIT, _build(ctx.model_id, body, tokens, max_tokens, signature))
     except _Refused as refused:
         return refused.admission

@@ -48,17 +48,18 @@ class StreamOptions(_Body):
 
 
 class _SamplingFields(_Body):
-    model: Text
+    # Omitted or null: the router's own model (vLLM, llama.cpp and mlx_lm.server do the same).
+    model: Text | None = None
     max_tokens: int | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = None
     stop: Text | list[Text] | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
     prompt_cache_key: Text | None = None
-    n: int = 1
+    n: int | None = 1
 
 
 class CompletionRequest(_SamplingFields):

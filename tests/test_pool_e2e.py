@@ -156,3 +156,22 @@ def test_stop_string_cuts_the_output(pool, mlx_reference) -> None:
     out = _complete(pool, prompt=prompt, max_tokens=24, temperature=0, stop=[stop])
     assert out["choices"][0]["text"] == want
     assert out["choices"][0]["finish_reason"] == "stop"
+
+
+def test_what_openai_clients_leave_out_or_send_as_null_takes_the_defaults(pool) -> None:
+    """`model` omitted is the pool's own model (as vLLM, llama.cpp and mlx_lm.server do);
+    `n: null` and `stream: null` are OpenAI's defaults (1, not streamed), not a 400."""
+    nulls = {"model": None, "n": None, "stream": None}
+    for body in ({"prompt": "hi", "max_tokens": 2}, {"prompt": "hi", "max_tokens": 2, **nulls}):
+        resp = httpx.post(f"{pool.url}/v1/completions", json=body, timeout=60)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["model"] == "mlxcel-tiny-s0"
+        assert resp.json()["usage"]["completion_tokens"] >= 1
+    messages = [{"role": "user", "content": "hi"}]
+    chat = httpx.post(f"{pool.url}/v1/chat/completions", timeout=60,
+                      json={"messages": messages, "max_tokens": 2, "stream": None})  # fmt: skip
+    assert chat.status_code == 200 and chat.json()["object"] == "chat.completion", chat.text
+    one = httpx.get(f"{pool.url}/v1/models/mlxcel-tiny-s0", timeout=10)
+    assert one.status_code == 200 and one.json()["id"] == "mlxcel-tiny-s0"
+    missing = httpx.get(f"{pool.url}/v1/models/nope", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"

@@ -19,5 +19,5 @@ async def create_chat_completion(
 ) -> Response:
     gen = await admit_and_submit(admit_chat, body, state)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    fmt = ResponseFormat(chat=True, model=state.model_id)
-    return await respond(request, state, gen, fmt, body.stream, include_usage)
+    fmt = ResponseFormat(chat=True, model=gen.model)
+    return await respond(request, state, gen, fmt, bool(body.stream), include_usage)

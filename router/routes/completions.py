@@ -17,5 +17,5 @@ router = APIRouter()
 async def create_completion(body: CompletionRequest, request: Request, state: StateDep) -> Response:
     gen = await admit_and_submit(admit_completion, body, state)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    fmt = ResponseFormat(chat=False, model=state.model_id)
-    return await respond(request, state, gen, fmt, body.stream, include_usage)
+    fmt = ResponseFormat(chat=False, model=gen.model)
+    return await respond(request, state, gen, fmt, bool(body.stream), include_usage)

@@ -146,7 +146,7 @@ async def admit_and_submit(
     burst of requests reaches the workers sooner than with a thread hop for each."""
 
     def run() -> Admission:
-        model = getattr(body, "model", "")
+        model = getattr(body, "model", None) or state.model_id
         try:
             ctx = state.catalog.get(model)
         except (TokenizerLoadError, CanaryMismatch) as exc:  # its workers', not the caller's
