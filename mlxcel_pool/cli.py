@@ -74,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dashboard.add_argument("--port", type=int, default=9181)
 
+    stats = sub.add_parser("stats", help="the pool's cache, worker and routing statistics")
+    stats.add_argument("--url", help="the router (default http://<router.host>:<router.port>)")
+    stats.add_argument("--watch", type=float, metavar="S", help="refresh every S seconds")
+    stats.add_argument("--json", action="store_true", help="print the JSON as the router sends it")
+    stats.add_argument("--api-key", help="bearer key (default: $MLXCEL_API_KEY, $OPENAI_API_KEY)")
+
     wait = sub.add_parser("wait-redis", help="wait until REDIS_URL answers PING")
     wait.add_argument("--timeout", type=float, default=30.0)
     return parser
@@ -296,6 +302,47 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     return serve(settings.redis.url, args.port)
 
 
+def cmd_stats(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    import httpx
+    from rich.console import Console
+    from rich.live import Live
+
+    from mlxcel_pool.stats_view import render
+
+    settings = _settings({})
+    host = settings.router.host if settings.router.host not in ("0.0.0.0", "::") else "127.0.0.1"
+    url = (args.url or f"http://{host}:{settings.router.port}").rstrip("/")
+    key = args.api_key or os.environ.get("MLXCEL_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+    def fetch() -> dict[str, Any]:
+        resp = httpx.get(f"{url}/v1/cache/stats", headers=headers, timeout=10)
+        if resp.status_code != 200:
+            raise PoolError(f"{url}/v1/cache/stats answered {resp.status_code}: {resp.text[:200]}")
+        return resp.json()
+
+    try:
+        if args.json:
+            print(json.dumps(fetch(), indent=2))
+            return 0
+        console = Console()
+        if not args.watch:
+            console.print(render(fetch(), time.time()))
+            return 0
+        with _stop_on_signals(), Live(render(fetch(), time.time()), console=console) as live:
+            while True:
+                time.sleep(args.watch)
+                live.update(render(fetch(), time.time()))
+    except KeyboardInterrupt:
+        return 0
+    except httpx.HTTPError as exc:
+        print(f"mlxcel-pool stats: cannot reach {url}: {exc}", file=sys.stderr)
+        return 1
+
+
 def _stderr_printer(command: str) -> Callable[[str], None]:
     def say(message: str) -> None:
         print(f"mlxcel-pool {command}: {message}", file=sys.stderr, flush=True)
@@ -311,4 +358,5 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "redis-url": cmd_redis_url,
     "dashboard": cmd_dashboard,
     "wait-redis": cmd_wait_redis,
+    "stats": cmd_stats,
 }

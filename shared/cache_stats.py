@@ -215,6 +215,23 @@ def _column_sums(rows: list[list[int]], width: int) -> list[int]:
     return list(map(sum, zip(*rows, strict=True))) if rows else [0] * width
 
 
+def _identity(info: dict[str, str]) -> dict[str, Any]:
+    """Who the worker is and when it last beat (operators' extras beside the spec's fields)."""
+    return {
+        "model": info.get("model"),
+        "host": info.get("host"),
+        "pid": int(float(info["pid"])) if _is_number(info.get("pid")) else None,
+        "last_seen": float(info["last_seen"]) if _is_number(info.get("last_seen")) else None,
+    }
+
+
+def _is_number(text: str | None) -> bool:
+    try:
+        return text is not None and float(text) == float(text)
+    except ValueError:
+        return False
+
+
 def merge_pool(workers: list[WorkerCacheSnapshot]) -> dict[str, Any]:
     """The pool's `/v1/cache/stats`: counters summed over every worker ever seen (dead ones too),
     gauges and limits summed over live workers, rates recomputed from the sums, the most recent
@@ -232,7 +249,7 @@ def merge_pool(workers: list[WorkerCacheSnapshot]) -> dict[str, Any]:
     pool["last_reject_worker_id"] = last["worker_id"] if last else None
     pool["workers_alive"] = len(live)
     pool["workers"] = {
-        w.worker_id: {"alive": w.alive, **w.stats()}
+        w.worker_id: {"alive": w.alive, **w.stats(), **_identity(w.info)}
         for w in sorted(workers, key=lambda w: w.worker_id)
     }
     return pool

@@ -6,8 +6,11 @@ tests/test_routing_ledger.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -43,7 +46,7 @@ def _alive(pool, wid: str) -> bool:
     return pool.r.pttl(keys.worker_info(wid)) > (keys.LIVENESS_TTL_S - 5) * 1000
 
 
-def _complete(pool, prompt: list[int], max_tokens: int = 4) -> tuple[str, int]:
+def complete(pool, prompt: list[int], max_tokens: int = 4) -> tuple[str, int]:
     """(the worker that served it, the prompt tokens it reused)."""
     resp = httpx.post(f"{pool.url}/v1/completions", timeout=60, json={
         "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})  # fmt: skip
@@ -52,11 +55,11 @@ def _complete(pool, prompt: list[int], max_tokens: int = 4) -> tuple[str, int]:
         "cached_tokens"]  # fmt: skip
 
 
-def _holds(pool, wid: str, prompt: list[int]) -> int:
+def holds(r: redis.Redis, wid: str, prompt: list[int]) -> int:
     """How many of the prompt's leading blocks the worker's index in Redis lists."""
-    epoch = pool.r.hget(keys.worker_info(wid), "epoch").decode()
+    epoch = r.hget(keys.worker_info(wid), "epoch").decode()
     members = index_members(BlockHasher(16).chain(prompt, CacheNamespace(MODEL).seed()))
-    held = pool.r.smismember(keys.worker_blocks(wid, epoch), members)
+    held = r.smismember(keys.worker_blocks(wid, epoch), members)
     return next((i for i, h in enumerate(held) if not h), len(held))
 
 
@@ -77,14 +80,14 @@ def tail(k: int) -> list[int]:
 
 
 def test_requests_sharing_a_prefix_follow_the_worker_that_holds_it(pool) -> None:
-    holder, reused = _complete(pool, PREFIX + tail(600))
+    holder, reused = complete(pool, PREFIX + tail(600))
     assert reused == 0
     # The finished sequence is in the holder's cache, and its index says so.
-    wait_for(lambda: _holds(pool, holder, PREFIX) == 6, 10, "the holder's index lists the prefix")
-    assert _holds(pool, _other(holder), PREFIX) == 0
+    wait_for(lambda: holds(pool.r, holder, PREFIX) == 6, 10, "the holder's index lists the prefix")
+    assert holds(pool.r, _other(holder), PREFIX) == 0
     before = _stats(pool).get("decisions:cache", 0)
     for k in range(6):  # two router processes answer these in turn: both follow the index
-        served, reused = _complete(pool, PREFIX + tail(610 + 9 * k))
+        served, reused = complete(pool, PREFIX + tail(610 + 9 * k))
         assert served == holder
         assert reused >= 64, reused
     stats = _stats(pool)
@@ -94,7 +97,7 @@ def test_requests_sharing_a_prefix_follow_the_worker_that_holds_it(pool) -> None
 
 
 def test_a_hot_prefix_spreads_to_the_second_worker_under_load(pool) -> None:
-    holder, _ = _complete(pool, PREFIX + tail(700))
+    holder, _ = complete(pool, PREFIX + tail(700))
 
     async def burst() -> list[str]:
         async with httpx.AsyncClient(base_url=pool.url, timeout=60) as client:
@@ -114,36 +117,53 @@ def test_a_hot_prefix_spreads_to_the_second_worker_under_load(pool) -> None:
 
 
 def test_a_lost_index_is_written_again_whole(pool) -> None:
-    holder, _ = _complete(pool, PREFIX + tail(800))
-    wait_for(lambda: _holds(pool, holder, PREFIX) == 6, 10, "indexed")
+    holder, _ = complete(pool, PREFIX + tail(800))
+    wait_for(lambda: holds(pool.r, holder, PREFIX) == 6, 10, "indexed")
     epoch = pool.r.hget(keys.worker_info(holder), "epoch").decode()
     size = pool.r.scard(keys.worker_blocks(holder, epoch))
     pool.r.delete(keys.worker_blocks(holder, epoch))  # as a Redis flush or restart would
     wait_for(lambda: pool.r.scard(keys.worker_blocks(holder, epoch)) >= size, 10, "rewritten")
-    assert _complete(pool, PREFIX + tail(810))[0] == holder
+    assert complete(pool, PREFIX + tail(810))[0] == holder
 
 
 def test_after_the_holder_evicts_the_prefix_requests_go_by_load(pool) -> None:
-    holder, _ = _complete(pool, PREFIX + tail(900))
+    holder, _ = complete(pool, PREFIX + tail(900))
     resp = httpx.post(f"{pool.url}/v1/cache/reset", timeout=30)
     assert resp.status_code == 200
     for wid in WORKERS:  # only the marker is left in each index
-        wait_for(lambda w=wid: _holds(pool, w, PREFIX) == 0, 10, f"{wid}'s index emptied")
+        wait_for(lambda w=wid: holds(pool.r, w, PREFIX) == 0, 10, f"{wid}'s index emptied")
     before = _stats(pool).get("decisions:load", 0)
-    served, reused = _complete(pool, PREFIX + tail(910))
+    served, reused = complete(pool, PREFIX + tail(910))
     assert reused == 0 and served in WORKERS
     assert _stats(pool)["decisions:load"] == before + 1
 
 
+def test_mlxcel_pool_stats_shows_workers_rejects_and_routing(pool) -> None:
+    """The operator's terminal view of the same JSON: one row per worker with its heartbeat's
+    age, the seven reject reasons, and routing outcomes; --json passes the JSON through."""
+    run = [sys.executable, "-m", "mlxcel_pool", "stats", "--url", pool.url]
+    env = {**os.environ, "COLUMNS": "220"}
+    shown = subprocess.run(run, capture_output=True, text=True, timeout=60, env=env)
+    assert shown.returncode == 0, shown.stderr
+    for word in ("w1", "w2", "heartbeat", "block_boundary_floor", "layout_constraints",
+                 "routing (policy cache_aware)", "cache", "spill", MODEL):  # fmt: skip
+        assert word in shown.stdout, (word, shown.stdout)
+    assert "ago" in shown.stdout  # the heartbeat's age
+    raw = subprocess.run([*run, "--json"], capture_output=True, text=True, timeout=60)
+    stats = json.loads(raw.stdout)
+    assert stats["routing"]["decisions"]["cache"] >= 6
+    assert stats["workers"]["w1"]["model"] == MODEL and stats["workers"]["w1"]["last_seen"]
+
+
 def test_when_the_holder_dies_its_requests_are_served_elsewhere(pool) -> None:
-    holder, _ = _complete(pool, PREFIX + tail(1000 - 300))
-    wait_for(lambda: _holds(pool, holder, PREFIX) == 6, 10, "indexed")
+    holder, _ = complete(pool, PREFIX + tail(1000 - 300))
+    wait_for(lambda: holds(pool.r, holder, PREFIX) == 6, 10, "indexed")
     os.kill(pool.pid(holder), signal.SIGKILL)
     # Routed at once, while the dead worker still looks alive: its queue is taken over by the
     # live one, which answers (the client never sees the death).
-    served, _ = _complete(pool, PREFIX + tail(720))
+    served, _ = complete(pool, PREFIX + tail(720))
     assert served == _other(holder)
-    served, _ = _complete(pool, PREFIX + tail(730))
+    served, _ = complete(pool, PREFIX + tail(730))
     assert served == _other(holder)
     # It comes back under a new epoch: its last life's blocks never count again.
     old_epoch = pool.r.hget(keys.worker_info(holder), "epoch")
@@ -151,8 +171,8 @@ def test_when_the_holder_dies_its_requests_are_served_elsewhere(pool) -> None:
     wait_for(lambda: pool.r.hget(keys.worker_info(holder), "epoch") not in (None, old_epoch),
              120, "the holder restarted")  # fmt: skip
     wait_for(lambda: _alive(pool, holder), 30, "live again")
-    assert _holds(pool, holder, PREFIX) == 0
-    assert _complete(pool, PREFIX + tail(740))[0] == _other(holder)
+    assert holds(pool.r, holder, PREFIX) == 0
+    assert complete(pool, PREFIX + tail(740))[0] == _other(holder)
 
 
 def test_two_models_in_one_pool_each_request_runs_on_a_worker_of_its_model(

@@ -29,6 +29,7 @@ from shared.config import SupervisorConfig
 from shared.redis_auth import embedded_password
 from tests.pool_fixture import running_pool, wait_for
 from tests.streams import SHARED_QUEUE
+from tests.test_routing_e2e import PREFIX, complete, holds, tail
 
 # --- the policy, on an injected clock ---------------------------------------------------------
 
@@ -184,20 +185,29 @@ def test_the_embedded_redis_comes_back_on_the_same_url(pool: Pool, supervised: l
     old, url = pool.pid(REDIS), pool.redis_url
     # The cache dir's password: the URL every child holds stays valid across the restart.
     assert url.startswith(f"redis://:{embedded_password(pool.settings.cache_dir)}@127.0.0.1:")
+    r = redis.Redis.from_url(url)
+    holder, _ = complete(pool, PREFIX + tail(1))
+    wait_for(lambda: holds(r, holder, PREFIX) == 6, 10, "the holder's index lists the prefix")
     os.kill(old, signal.SIGKILL)
     _wait_back(pool, REDIS, old)
     assert pool.redis_url == url
-    assert redis.Redis.from_url(url).ping()
+    assert r.ping()
     assert supervised[0].startswith("redis exited with code -9 (signal SIGKILL); restarting")
     _complete(pool)
+    # The new Redis started empty: the holder wrote its index again, and requests follow it.
+    wait_for(lambda: holds(r, holder, PREFIX) == 6, 20, "the index written again")
+    assert complete(pool, PREFIX + tail(2)) == (holder, 96)
 
 
 def test_the_router_comes_back_on_the_same_port(pool: Pool, supervised: list[str]) -> None:
     old = pool.pid(ROUTER)
+    holder, _ = complete(pool, PREFIX + tail(3))
     os.kill(old, signal.SIGKILL)  # its uvicorn processes are left behind, holding the port
     _wait_back(pool, ROUTER, old)
     assert supervised[0].startswith("router exited with code -9 (signal SIGKILL); restarting")
     _complete(pool)
+    # Nothing to rebuild: the new router reads the same index, and follows the holder.
+    assert complete(pool, PREFIX + tail(4))[0] == holder
 
 
 def test_a_worker_stopped_on_purpose_is_not_restarted(pool: Pool, supervised: list[str]) -> None:
