@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--router-processes", type=_positive, help="uvicorn processes")
     up.add_argument("--ready-timeout", type=float, default=600.0, help="seconds until /health")
     up.add_argument("--log-dir", type=Path, help="child logs (default <cache_dir>/logs)")
+    up.add_argument("--quiet", action="store_true", help="children's output in log files only")
 
     router = sub.add_parser("router", help="run the HTTP router against REDIS_URL")
     router.add_argument("--host")
@@ -180,7 +181,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     from router.auth import load_access
 
     load_access(settings.auth)  # a bad key file stops `up` here (exit 2), not in the router child
-    pool = Pool(settings, workers=args.workers, log_dir=args.log_dir or settings.cache_dir / "logs")
+    pool = Pool(settings, workers=args.workers, log_dir=args.log_dir or settings.cache_dir / "logs",
+                echo=None if args.quiet else sys.stdout)  # fmt: skip
     say = _stderr_printer("up")
     try:
         with _stop_on_signals():

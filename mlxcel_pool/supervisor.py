@@ -2,8 +2,9 @@
 
 Used by `mlxcel-pool up` and by the end-to-end test fixtures. Each child is `python -m mlxcel_pool
 <part>` in its own process group (so a signal reaches uvicorn's subprocesses too), with its output
-in a log file. `Pool.supervise` restarts a child that exits (mlxcel_pool/restarts.py decides when);
-only `up` and tests that ask for it run it. This module never imports mlx: the model is built in a
+in a rotated log file (and, under `up`, on the terminal, prefixed with its name).
+`Pool.supervise` restarts a child that exits (mlxcel_pool/restarts.py decides when); only `up`
+and tests that ask for it run it. This module never imports mlx: the model is built in a
 subprocess.
 """
 
@@ -29,6 +30,7 @@ from typing import IO, Any, Protocol
 from pydantic import SecretStr
 
 from devmodel.paths import is_built
+from mlxcel_pool.child_output import ChildOutput
 from mlxcel_pool.restarts import RestartLedger, RestartPolicy
 from shared.config import ENV_VARS, TRACE_ENV, ConfigError, Settings
 from shared.model_facts import configured_model_dir
@@ -140,7 +142,8 @@ class Pool:
     password kept in `<cache_dir>/redis.password`; `redis_url` carries it, so never log it
     unmasked (`shared.redis_auth.masked_url`). `settings.router.port` 0:
     a free port is chosen. `extra_env` is added to every child's environment. `restart_policy`
-    (default: `settings.supervisor`) governs `supervise`.
+    (default: `settings.supervisor`) governs `supervise`. Each child's output goes to its rotated
+    log file (`log_path`) and, with `echo`, to that stream too, prefixed with the child's name.
     """
 
     def __init__(
@@ -151,12 +154,16 @@ class Pool:
         log_dir: str | Path | None = None,
         grace_s: float = 10.0,
         restart_policy: RestartPolicy | None = None,
+        echo: IO[str] | None = None,
     ) -> None:
         self.settings = settings
         self.workers = workers
         self.extra_env = dict(extra_env or {})
         self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="mlxcel-logs-"))
         self.grace_s = grace_s
+        # Where the children's lines also go, each prefixed with its name (`up`; None: files only).
+        self.echo = echo
+        self._colours: dict[str, int] = {}
         port = settings.router.port or free_port()
         self.url = f"http://{_connect_host(settings.router.host)}:{port}"
         self.port = port
@@ -411,11 +418,14 @@ class Pool:
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
         argv = [sys.executable, "-m", "mlxcel_pool", *args]
         path = self.log_path(name)
-        with open(path, "ab") as log:
-            log.write(f"--- mlxcel-pool: starting {name}: {' '.join(argv)}\n".encode())
-            log.flush()
-            process = subprocess.Popen(
-                argv, env={**self._env, **(env or {})}, stdin=subprocess.DEVNULL, stdout=log,
-                stderr=log, start_new_session=True,
-            )  # fmt: skip
+        colour = self._colours.setdefault(name, len(self._colours))
+        width = max(len(n) for n in (*self._colours, "router"))
+        output = ChildOutput(name, path, self.echo, width, colour)
+        output.line(f"--- mlxcel-pool: starting {name}: {' '.join(argv)}")
+        process = subprocess.Popen(
+            argv, env={**self._env, **(env or {})}, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        assert process.stdout is not None
+        output.follow(process.stdout)
         self._children[name] = _Child(name, process, path, args, dict(env or {}))

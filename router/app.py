@@ -122,7 +122,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     init_reject_labels()
     app.state.router = state
     freeze_startup_heap(log)
-    log.info("router serving model %r from %s", state.model_id, state.model_dir)
+    log.info("router ready: model %r from %s, routing %s, redis %s", state.model_id,
+             state.model_dir, settings.routing.policy, masked_url(settings.redis.url))  # fmt: skip
     log.info("%s", app.state.access.describe())
     try:
         yield

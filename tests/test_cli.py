@@ -37,9 +37,11 @@ def _env(**extra: str) -> dict[str, str]:
 def _lines(stream: IO[str]) -> queue.Queue[str]:
     """Read a pipe on a thread so a test can wait for a line with a timeout."""
     out: queue.Queue[str] = queue.Queue()
+    out.seen = []  # type: ignore[attr-defined]  # every line, also those a wait skipped
 
     def pump() -> None:
         for line in stream:
+            out.seen.append(line)  # type: ignore[attr-defined]
             out.put(line)
 
     threading.Thread(target=pump, daemon=True).start()
@@ -212,12 +214,26 @@ def test_up_serves_a_completion_and_stops_cleanly(
         if conn.status == psutil.CONN_LISTEN
     ]
     assert len(redis_ports) == 1, [c.cmdline() for c in children]
+    # The terminal shows every child's lines under its name, one "ready" line each saying what
+    # it runs; the same lines are in the child's log file.
+    seen = "".join(stdout.seen)  # type: ignore[attr-defined]
+    router_ready = [ln for ln in stdout.seen if ln.startswith("router | ") and "router ready" in ln]
+    assert router_ready and "routing cache_aware" in router_ready[0], seen[-3000:]
+    assert "redis redis://:***@127.0.0.1:" in router_ready[0]
+    w1_ready = [ln for ln in stdout.seen if ln.startswith("w1     | ") and "ready:" in ln]
+    assert w1_ready and "BLAS" in w1_ready[0] and "GFLOPS" in w1_ready[0], seen[-3000:]
+    assert "prompt cache" in w1_ready[0] and "model mlxcel-tiny-s0" in w1_ready[0]
+    w1_log = (tmp_path / "logs" / "w1.log").read_text()
+    assert w1_ready[0].removeprefix("w1     | ").strip() in w1_log
     proc.send_signal(signal.SIGINT)
     assert proc.wait(60) == 0, (tmp_path / "up.stderr").read_text()[-4000:]
     assert "mlxcel-pool up: SIGINT: stopping" in (tmp_path / "up.stderr").read_text()
     assert "redis redis://:***@127.0.0.1:" in (tmp_path / "up.stderr").read_text()
     logged = [tmp_path / "up.stderr", *(tmp_path / "logs").iterdir()]
     assert [p.name for p in logged if password in p.read_text(errors="replace")] == []
+    # On the terminal, only the one REDIS_URL line for the operator carries the password.
+    shown = [ln for ln in stdout.seen if password in ln]  # type: ignore[attr-defined]
+    assert shown == [f"REDIS_URL={redis_url}\n"]
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and not all(_gone(c.pid) for c in children):
         time.sleep(0.1)

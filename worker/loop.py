@@ -60,6 +60,7 @@ class WorkerLoop:
     # When idle, how long a burst of arrivals may be gathered to prefill as one batch.
     admission_window_s: float = 0.0
     peers: PeerQueues | None = None
+    banner: str = ""  # what it runs, for the ready line
     _stop_requests: int = 0
     _queued: int = 0  # jobs waiting in this worker's queues, as the last publish read
     _next_maintenance: float = 0.0

@@ -14,6 +14,7 @@ from shared.canary_check import CanaryMismatch, check_against_routers
 from shared.config import Settings
 from shared.gc_freeze import freeze_startup_heap
 from shared.model_facts import configured_model_dir
+from shared.redis_auth import masked_url
 
 if TYPE_CHECKING:
     from worker.loop import WorkerLoop
@@ -38,7 +39,7 @@ def run(settings: Settings) -> int:
 
     loop.install_signal_handlers()
     freeze_startup_heap(log)
-    log.info("worker %s ready: listening on %s", loop.presence.worker_id,
+    log.info("worker %s ready: %s; listening on %s", loop.presence.worker_id, loop.banner,
              ", ".join(loop.intake.queue_keys))  # fmt: skip
     try:
         loop.run()
@@ -72,7 +73,7 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
     from worker.engine.engine import Engine
     from worker.loop import WorkerLoop
 
-    blas.report(log)
+    blas_info = blas.report(log)
     if not settings.redis.url:
         log.error("REDIS_URL is not set: the worker needs the pool's Redis")
         return None
@@ -118,8 +119,18 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
         metrics=MetricsSink(),
         static_gauges=settings_gauges,
         admission_window_s=settings.worker.admission_window_ms / 1000,
+        banner=_banner(facts.model_id, blas_info, settings_gauges, settings),
         peers=PeerQueues(conn, worker_id, facts.model_id, settings.routing.steal_after_ms / 1000),
     )
+
+
+def _banner(model_id: str, blas_info: Any, gauges: dict[str, Any], settings: Settings) -> str:
+    """One line saying what this worker runs: model, BLAS and its speed, cache mode, Redis."""
+    gflops = f" {blas_info.gflops:.0f} GFLOPS" if getattr(blas_info, "gflops", None) else ""
+    cache = gauges.get("storage_mode") or "off"
+    return (f"model {model_id}, BLAS {blas_info.backend}{gflops}, prompt cache {cache} "
+            f"({gauges.get('cacheability') or '-'}), batch {settings.worker.batch_size}, "
+            f"redis {masked_url(settings.redis.url)}")  # fmt: skip
 
 
 def routing_canary(tokenizer: Any, model_id: str, settings: Settings) -> str:
