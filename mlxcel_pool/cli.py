@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--ready-timeout", type=float, default=600.0, help="seconds until /health")
     up.add_argument("--log-dir", type=Path, help="child logs (default <cache_dir>/logs)")
     up.add_argument("--quiet", action="store_true", help="children's output in log files only")
+    up.add_argument("--dashboard", nargs="?", type=int, const=9181, metavar="PORT",
+                    help="also run rq-dashboard on 127.0.0.1:PORT (default 9181)")  # fmt: skip
 
     router = sub.add_parser("router", help="run the HTTP router against REDIS_URL")
     router.add_argument("--host")
@@ -182,7 +184,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     load_access(settings.auth)  # a bad key file stops `up` here (exit 2), not in the router child
     pool = Pool(settings, workers=args.workers, log_dir=args.log_dir or settings.cache_dir / "logs",
-                echo=None if args.quiet else sys.stdout)  # fmt: skip
+                echo=None if args.quiet else sys.stdout, dashboard_port=args.dashboard)  # fmt: skip
     say = _stderr_printer("up")
     try:
         with _stop_on_signals():
@@ -191,6 +193,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                 pool.start()
                 shown = masked_url(pool.redis_url)
                 say(f"redis {shown}, {args.workers} worker(s), logs in {pool.log_dir}")
+                if args.dashboard is not None:
+                    say(f"rq-dashboard on http://127.0.0.1:{args.dashboard}")
                 pool.wait_healthy(args.ready_timeout)
                 print(f"mlxcel-pool ready: {pool.url}/v1", flush=True)
                 # The one line that shows the embedded Redis's password: on stdout, for the

@@ -39,6 +39,7 @@ from shared.redis_server import EmbeddedRedis, RedisServerError, free_port, star
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ROUTER = "router"
+DASHBOARD = "dashboard"
 REDIS = "redis"  # the embedded redis-server's name in supervision messages and `Pool.pid`
 LOG_TAIL_LINES = 30
 SUPERVISE_POLL_S = 0.2
@@ -155,6 +156,7 @@ class Pool:
         grace_s: float = 10.0,
         restart_policy: RestartPolicy | None = None,
         echo: IO[str] | None = None,
+        dashboard_port: int | None = None,
     ) -> None:
         self.settings = settings
         self.workers = workers
@@ -163,6 +165,7 @@ class Pool:
         self.grace_s = grace_s
         # Where the children's lines also go, each prefixed with its name (`up`; None: files only).
         self.echo = echo
+        self.dashboard_port = dashboard_port  # rq-dashboard on 127.0.0.1 (None: not started)
         self._colours: dict[str, int] = {}
         port = settings.router.port or free_port()
         self.url = f"http://{_connect_host(settings.router.host)}:{port}"
@@ -201,6 +204,8 @@ class Pool:
                                  "--processes", str(self.settings.router.processes)])  # fmt: skip
             for i in range(1, self.workers + 1):
                 self.start_worker(f"w{i}")
+            if self.dashboard_port is not None:
+                self._spawn(DASHBOARD, [DASHBOARD, "--port", str(self.dashboard_port)])
         except BaseException:
             self.stop()
             raise

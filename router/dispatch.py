@@ -130,6 +130,7 @@ class Dispatcher:
                 result_ttl=RESULT_TTL_S,
                 failure_ttl=FAILURE_TTL_S,
                 ttl=QUEUED_TTL_S,
+                description=describe(req, worker_id),
                 pipeline=pipe,
             )
             pipe.execute()
@@ -357,6 +358,14 @@ def _decode(fields: dict[bytes, bytes]) -> StreamEvent:
 
 def _error(error_type: str, message: str) -> StreamEvent:
     return StreamEvent(kind="error", error=message, error_type=error_type)
+
+
+def describe(req: GenerationRequest, worker_id: str) -> str:
+    """What `rq info` and rq-dashboard show for the job (rq's default is the call with every
+    prompt token in it)."""
+    where = f"placed on {worker_id}" if worker_id else "for any worker"
+    return (f"{req.model}: {len(req.prompt_tokens)} prompt tokens, max_tokens {req.max_tokens}, "
+            f"{where}")  # fmt: skip
 
 
 def build_queue(sync_redis: redis.Redis, model_id: str) -> Queue:

@@ -60,6 +60,18 @@ def _wait_line(lines: queue.Queue[str], prefix: str, timeout: float) -> str:
     raise AssertionError(f"no line starting with {prefix!r} within {timeout}s")
 
 
+def _wait_json(url: str, timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                return json.loads(resp.read())
+        except (OSError, ValueError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.3)
+
+
 def _port_open(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5):
@@ -168,8 +180,10 @@ def test_up_serves_a_completion_and_stops_cleanly(
         MLXCEL_CACHE_DIR=str(cache_dir),  # the default model is already built there
         PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "prom"),  # not shared with other pools
     )
+    dash_port = free_port()
     argv = [sys.executable, "-m", "mlxcel_pool", "up", "--port", str(port), "--workers", "1",
-            "--router-processes", "1", "--log-dir", str(tmp_path / "logs")]  # fmt: skip
+            "--router-processes", "1", "--log-dir", str(tmp_path / "logs"),
+            "--dashboard", str(dash_port)]  # fmt: skip
     with open(tmp_path / "up.stderr", "w") as err:
         proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err,
                                 text=True)  # fmt: skip
@@ -197,6 +211,14 @@ def test_up_serves_a_completion_and_stops_cleanly(
     assert status == 200
     assert isinstance(body["choices"][0]["text"], str)
     assert body["usage"]["completion_tokens"] >= 1
+
+    # rq-dashboard (`up --dashboard`, loopback) lists the job under w1's own queue, described
+    # in words rather than as the call with every prompt token in it.
+    dash = f"http://127.0.0.1:{dash_port}/0/data/jobs/mlxcel.worker.w1/finished/8/asc/1.json"
+    jobs = _wait_json(dash, 30)["jobs"]
+    assert any(j["description"].startswith("mlxcel-tiny-s0: ") and
+               j["description"].endswith("prompt tokens, max_tokens 8, placed on w1")
+               for j in jobs), jobs  # fmt: skip
 
     # `up` supervises: a killed worker is started again and serves.
     (worker,) = [c for c in psutil.Process(proc.pid).children() if "worker" in c.cmdline()]
