@@ -283,7 +283,10 @@ def cmd_wait_redis(args: argparse.Namespace) -> int:
     _require_redis(settings, "wait-redis")
     import redis
 
-    client = redis.Redis.from_url(settings.redis.url, socket_connect_timeout=1)
+    from shared.redis_clients import sync_client
+
+    # The pool's own client (a Sentinel URL asks the sentinels), each try bounded by a second.
+    client = sync_client(settings.redis.model_copy(update={"stall_timeout_s": 1.0}))
     shown = masked_url(settings.redis.url)
     deadline = time.monotonic() + args.timeout
     while True:

@@ -22,7 +22,9 @@ from flask import Flask
 from rq_dashboard import web
 from rq_dashboard.cli import make_flask_app
 
+from shared.config import RedisConfig
 from shared.redis_auth import masked_url
+from shared.redis_clients import sync_client
 from shared.wire import MsgpackSerializer
 
 HOST = "127.0.0.1"  # it has no login and can delete and requeue jobs: never reachable from outside
@@ -36,11 +38,21 @@ def use_msgpack() -> None:
     web.config.serializer = MsgpackSerializer  # type: ignore[assignment]
 
 
+def use_pool_client(redis_url: str) -> None:
+    """Make the pool's own client (shared.redis_clients) the one connection rq-dashboard uses:
+    it opens one per request from its URL with a parser of its own (`redis-sentinel-url`), which
+    knows no sentinel password and no stall bound. Process-wide, like `use_msgpack`."""
+    client = sync_client(RedisConfig(url=redis_url))
+    web.from_url = lambda *_args, **_kwargs: (None, client)
+
+
 def make_app(redis_url: str) -> Flask:
-    """rq-dashboard's Flask app against `redis_url` (a password in it is masked on its pages)."""
+    """rq-dashboard's Flask app against `redis_url` (its pages show it with the password
+    masked)."""
     use_msgpack()
+    use_pool_client(redis_url)
     app = make_flask_app(config=None, username=None, password=None, url_prefix="")
-    app.config["RQ_DASHBOARD_REDIS_URL"] = redis_url
+    app.config["RQ_DASHBOARD_REDIS_URL"] = masked_url(redis_url)  # shown, never connected to
     app.config["DEPRECATED_OPTIONS"] = []
     web.setup_rq_connection(app)
     return app

@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from shared.redis_auth import masked_url
+from shared.redis_sentinel import is_sentinel_url, parse_sentinel_url
 
 DEFAULTS_PATH = Path(__file__).resolve().parent.parent / "config" / "defaults.toml"
 
@@ -35,6 +36,11 @@ class _Section(BaseModel):
 
 
 class RedisConfig(_Section):
+    # A validation error never echoes the URL: it may hold a password.
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
+
+    # redis://, rediss://, unix://, or redis+sentinel:// for a Sentinel-managed primary
+    # (shared.redis_sentinel).
     url: str = ""
     # Longer than this without an answer from Redis (a stall, a partition) and the command
     # fails: the requests it carried end with a clear error instead of waiting forever.
@@ -45,8 +51,10 @@ class RedisConfig(_Section):
     @field_validator("url")
     @classmethod
     def _scheme(cls, v: str) -> str:
-        if v and not v.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("must start with redis://, rediss:// or unix://")
+        if v and is_sentinel_url(v):
+            parse_sentinel_url(v)  # its ValueError says what is wrong, never the password
+        elif v and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss://, unix:// or redis+sentinel://")
         return v
 
 

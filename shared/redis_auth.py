@@ -1,9 +1,10 @@
 """Redis credentials: the embedded redis-server's password file, and the one way a URL is shown.
 
 A Redis URL may carry a password (`redis://:<password>@host:port/0`, `rediss://user:<password>@...`
-or `?password=`). Whatever logs or prints a Redis URL prints `masked_url(url)`, so no log file
-and no error message holds the secret; the only place the full URL of the embedded Redis is
-shown is the line `mlxcel-pool up` prints on its own stdout for the operator.
+or `?password=`; a Sentinel URL's `redis+sentinel://:<password>@h1:26379,h2:26379/<service>` and
+its `?sentinel_password=`). Whatever logs or prints a Redis URL prints `masked_url(url)`, so no
+log file and no error message holds the secret; the only place the full URL of the embedded
+Redis is shown is the line `mlxcel-pool up` prints on its own stdout for the operator.
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ PASSWORD_FILE = "redis.password"  # in the cache dir
 MASK = "***"
 # secrets.token_urlsafe's alphabet: safe unquoted in a URL and in a redis.conf line.
 _TOKEN = re.compile(r"[A-Za-z0-9_-]{16,}")
-_SECRET_QUERY_KEYS = frozenset({"password"})
+
+
+def _secret_key(key: str) -> bool:
+    """`password`, `sentinel_password`, `ssl_password`: any query key that names a password."""
+    return key.lower().endswith("password")
 
 
 class PasswordFileError(RuntimeError):
@@ -28,20 +33,31 @@ class PasswordFileError(RuntimeError):
 def masked_url(url: str) -> str:
     """`url` with its password (userinfo and `password=` query) replaced by `***`; the rest,
     which tells an operator which Redis it is, is kept. A username alone is masked too: redis-py
-    reads `redis://secret@host` as a username, but people write it meaning a password."""
+    reads `redis://secret@host` as a username, but people write it meaning a password. With no
+    userinfo, a "port" that is no number (`redis+sentinel://user:secret/svc`, the '@' left out)
+    is masked as well."""
     parts = urlsplit(url)
     netloc = parts.netloc
     if "@" in netloc:
         userinfo, hostport = netloc.rsplit("@", 1)
         user = userinfo.split(":", 1)[0] if ":" in userinfo else ""
         netloc = f"{user}:{MASK}@{hostport}"
+    else:
+        netloc = ",".join(_masked_port(item) for item in netloc.split(","))
     query = parts.query
     if query:
         pairs = parse_qsl(query, keep_blank_values=True)
-        if any(k.lower() in _SECRET_QUERY_KEYS for k, _ in pairs):
-            masked = [(k, MASK if k.lower() in _SECRET_QUERY_KEYS else v) for k, v in pairs]
+        if any(_secret_key(k) for k, _ in pairs):
+            masked = [(k, MASK if _secret_key(k) else v) for k, v in pairs]
             query = urlencode(masked, safe="*/")
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def _masked_port(hostport: str) -> str:
+    head, sep, port = hostport.rpartition(":")
+    if sep and port and not port.isdigit() and not hostport.endswith("]"):  # not [IPv6]
+        return f"{head}:{MASK}"
+    return hostport
 
 
 def embedded_password(cache_dir: Path) -> str:

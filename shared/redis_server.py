@@ -109,10 +109,17 @@ def start_redis(
     timeout: float = 10.0,
     rdb: str | os.PathLike[str] | None = None,
     password: str | None = None,
+    replicaof: tuple[str, int] | None = None,
+    config_command: str | None = None,
 ) -> EmbeddedRedis:
     """Start redis-server and wait until it answers PING. `rdb`: a snapshot (SAVE's dump.rdb)
     to start from, as a Redis with persistence restarts. `password`: what clients must send
-    (`shared.redis_auth.embedded_password` keeps one in the cache dir); None: a fresh one."""
+    (`shared.redis_auth.embedded_password` keeps one in the cache dir); None: a fresh one.
+
+    For a Sentinel-managed set (tests): `replicaof` (host, port) starts a replica of that
+    primary (which has the same password), and `config_command` is the secret name CONFIG
+    answers to instead of being disabled (a sentinel reconfigures a server with CONFIG REWRITE:
+    `start_sentinel` tells it the name)."""
     if not is_loopback(host):
         raise RedisServerError(f"the embedded redis-server binds loopback only, not {host!r}")
     password = password or secrets.token_urlsafe(32)
@@ -125,7 +132,13 @@ def start_redis(
     conf = os.path.join(workdir, "redis.conf")
     with open(os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
         f.write(f"requirepass {password}\n")
-        f.writelines(f'rename-command {cmd} ""\n' for cmd in DISABLED_COMMANDS)
+        for cmd in DISABLED_COMMANDS:
+            renamed = config_command if cmd == "CONFIG" and config_command else '""'
+            f.write(f"rename-command {cmd} {renamed}\n")
+        if replicaof is not None or config_command:  # a replica now, or once failed over
+            f.write(f"masterauth {password}\n")
+        if replicaof is not None:
+            f.write(f"replicaof {replicaof[0]} {replicaof[1]}\n")
     args = [
         redis_server_binary(), conf, "--port", str(port), "--bind", host, "--save", "",
         "--appendonly", "no", "--dir", workdir, "--daemonize", "no", "--loglevel", "warning",
@@ -138,20 +151,69 @@ def start_redis(
         env={**os.environ},
     )
     server = EmbeddedRedis(proc, port, workdir, host, password)
-    probe = f"AUTH {password}\r\nPING\r\n".encode()
+    _wait_answers(server, timeout)
+    return server
+
+
+def start_sentinel(
+    primary: EmbeddedRedis,
+    service_name: str,
+    config_command: str,
+    down_after_ms: int = 1000,
+    failover_timeout_ms: int = 3000,
+    port: int | None = None,
+    timeout: float = 10.0,
+) -> EmbeddedRedis:
+    """Start a sentinel (`redis-server <conf> --sentinel`) that monitors `primary` as
+    `service_name` with quorum 1 (tests: one sentinel decides alone). It authenticates to the
+    servers with the primary's password and reconfigures them with `config_command` (what
+    `start_redis(config_command=...)` renamed CONFIG to); it asks its own clients for a
+    password of its own (`EmbeddedRedis.password`: the URL's `sentinel_password`)."""
+    host = primary.host
+    password = secrets.token_urlsafe(32)
+    port = port or free_port(host)
+    workdir = tempfile.mkdtemp(prefix="mlxcel-sentinel-")
+    conf = os.path.join(workdir, "sentinel.conf")  # the sentinel rewrites it as it learns
+    with open(os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(
+            f"port {port}\nbind {host}\ndir {workdir}\ndaemonize no\nloglevel warning\n"
+            f"requirepass {password}\n"
+            f"sentinel monitor {service_name} {host} {primary.port} 1\n"
+            f"sentinel auth-pass {service_name} {primary.password}\n"
+            f"sentinel down-after-milliseconds {service_name} {down_after_ms}\n"
+            f"sentinel failover-timeout {service_name} {failover_timeout_ms}\n"
+            f"sentinel parallel-syncs {service_name} 1\n"
+            f"sentinel rename-command {service_name} CONFIG {config_command}\n"
+        )
+    proc = subprocess.Popen(
+        [redis_server_binary(), conf, "--sentinel"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    sentinel = EmbeddedRedis(proc, port, workdir, host, password)
+    _wait_answers(sentinel, timeout)
+    return sentinel
+
+
+def _wait_answers(server: EmbeddedRedis, timeout: float) -> None:
+    probe = f"AUTH {server.password}\r\nPING\r\n".encode()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-            raise RedisServerError(f"redis-server exited with {proc.returncode}: {err.strip()}")
+        if server.process.poll() is not None:
+            stderr = server.process.stderr
+            err = stderr.read().decode(errors="replace") if stderr else ""
+            raise RedisServerError(f"redis-server exited with {server.process.returncode}: "
+                                   f"{err.strip()}")  # fmt: skip
         try:
-            if _answers(host, port, probe):
-                return server
+            if _answers(server.host, server.port, probe):
+                return
         except OSError:
             pass
         time.sleep(0.05)
     server.stop()
-    raise RedisServerError(f"redis-server did not answer on {host}:{port} within {timeout}s")
+    raise RedisServerError(f"redis-server did not answer on {server.host}:{server.port} "
+                           f"within {timeout}s")  # fmt: skip
 
 
 def _answers(host: str, port: int, probe: bytes) -> bool:

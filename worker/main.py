@@ -86,7 +86,9 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
 
         cpu_ops.install(model)
     prompt_cache, settings_gauges = _prompt_cache(settings, model, facts.model_id, worker_id)
-    conn = sync_client(settings.redis)
+    # A Sentinel failover reaches the loop as a lost connection: it drops what runs (the new
+    # primary may lack their last writes) and registers again, as after a restart.
+    conn = sync_client(settings.redis, report_failover=True)
     my_canary = routing_canary(tokenizer, facts.model_id, settings)
     check_against_routers(conn, facts.model_id, my_canary)
     info = {
