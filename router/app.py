@@ -36,7 +36,7 @@ from shared.block_hash import BlockHasher, canary
 from shared.canary_check import check_against_workers
 from shared.config import Settings, load_settings
 from shared.gc_freeze import freeze_startup_heap
-from shared.metrics import init_reject_labels
+from shared.metrics import init_labels
 from shared.model_facts import configured_model_dir, model_id_for
 from shared.redis_auth import masked_url
 from shared.redis_clients import async_client, sync_client
@@ -119,7 +119,7 @@ async def _build_state(settings: Settings) -> RouterState:
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
     state = await _build_state(settings)
-    init_reject_labels()
+    init_labels()
     app.state.router = state
     freeze_startup_heap(log)
     log.info("router ready: model %r from %s, routing %s, redis %s", state.model_id,

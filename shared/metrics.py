@@ -1,4 +1,4 @@
-"""Every Prometheus metric of the pool, router and workers alike, declared once with its labels.
+"""The router processes' own Prometheus metrics, declared once with their labels.
 
 Names follow the spec (docs: prompt-cache.md, "Prometheus names"). prometheus_client appends
 `_total` to counters itself, so `Counter("mlxcel_requests", ...)` is exposed as
@@ -13,67 +13,26 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 from prometheus_client import (
     REGISTRY,
     CollectorRegistry,
     Counter,
-    Gauge,
     Histogram,
     generate_latest,
     multiprocess,
     values,
 )
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
 
-from shared.reject import REJECT_REASONS
+# The workers' series (prompt cache, requests, tokens, batches, queue depth) are not declared
+# here: workers publish those numbers to Redis and the router serves them from there for the
+# whole pool (router/pool_metrics.py), so one scrape covers workers on every host.
 
-# --- prompt cache (worker) -----------------------------------------------------------------------
-PROMPT_CACHE_HITS = Counter("mlxcel_prompt_cache_hits", "Prompt-cache lookups that matched.")
-PROMPT_CACHE_MISSES = Counter("mlxcel_prompt_cache_misses", "Prompt-cache lookups that missed.")
-PROMPT_CACHE_PREFIX_TOKENS_REUSED = Counter(
-    "mlxcel_prompt_cache_prefix_tokens_reused", "Prompt tokens served from cached KV."
-)
-PROMPT_CACHE_EVICTIONS = Counter(
-    "mlxcel_prompt_cache_evictions", "Prompt-cache entries evicted.", ["reason"]
-)
-# Gauges sum over live processes: a dead worker's cache no longer exists.
-PROMPT_CACHE_BYTES = Gauge(
-    "mlxcel_prompt_cache_bytes", "Bytes held by prompt-cache entries.", multiprocess_mode="livesum"
-)
-PROMPT_CACHE_ENTRIES = Gauge(
-    "mlxcel_prompt_cache_entries", "Prompt-cache entries held.", multiprocess_mode="livesum"
-)
-PROMPT_CACHE_SNAPSHOT_HITS = Counter(
-    "mlxcel_prompt_cache_snapshot_hits", "Snapshot lookups that matched."
-)
-PROMPT_CACHE_SNAPSHOT_MISSES = Counter(
-    "mlxcel_prompt_cache_snapshot_misses", "Snapshot lookups that missed."
-)
-PROMPT_CACHE_SNAPSHOT_TOKENS_REUSED = Counter(
-    "mlxcel_prompt_cache_snapshot_tokens_reused", "Prompt tokens served from restored snapshots."
-)
-PROMPT_CACHE_SNAPSHOT_EVICTIONS = Counter(
-    "mlxcel_prompt_cache_snapshot_evictions", "Snapshots evicted.", ["reason"]
-)
-PROMPT_CACHE_REJECTS = Counter(
-    "mlxcel_prompt_cache_reject", "Prompt-cache store/adopt rejects by reason.", ["reason"]
-)
-
-# --- server and batch ----------------------------------------------------------------------------
-REQUESTS = Counter("mlxcel_requests", "Generation requests finished by workers.")
-PROMPT_TOKENS = Counter("mlxcel_prompt_tokens", "Prompt tokens processed.")
-COMPLETION_TOKENS = Counter("mlxcel_completion_tokens", "Completion tokens generated.")
-# Set by a router process at scrape time; the most recent write wins across processes.
-QUEUE_DEPTH = Gauge(
-    "mlxcel_queue_depth", "Jobs waiting in the shared rq queue.", multiprocess_mode="mostrecent"
-)
-BATCH_CURRENT_SIZE = Gauge(
-    "mlxcel_batch_current_size", "Sequences in running batches.", multiprocess_mode="livesum"
-)
-BATCH_PREFILL_TOKENS = Counter("mlxcel_batch_prefill_tokens", "Tokens prefilled in batches.")
-BATCH_DECODE_TOKENS = Counter("mlxcel_batch_decode_tokens", "Tokens decoded in batches.")
-BATCH_DECODE_STEPS = Counter("mlxcel_batch_decode_steps", "Batched decode steps run.")
+# --- router ----------------------------------------------------------------------------------
 REQUEST_TTFT_MS = Histogram(
     "mlxcel_request_ttft_ms",
     "Time from enqueue to the first generated token, in milliseconds.",
@@ -85,6 +44,12 @@ REQUEST_DECODE_TOK_S = Histogram(
     buckets=(1, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000),
 )
 
+
+# Admission refusals (429s), by the bound that refused: inflight or tokens.
+ADMISSION_REFUSED = Counter(
+    "mlxcel_admission_refused", "Requests refused at a pool bound (429).", ["reason"]
+)
+ADMISSION_REASONS = ("inflight", "tokens")
 
 # Routing (router side; outcomes as router/placement.lua names them).
 ROUTING_OUTCOMES = ("cache", "spill", "load", "round_robin", "no_worker")
@@ -106,12 +71,12 @@ ROUTING_REUSED_TOTAL = Counter(
 )
 
 
-def init_reject_labels() -> None:
-    """Create every reject series at 0 so dashboards see all seven reasons from the start."""
-    for reason in REJECT_REASONS:
-        PROMPT_CACHE_REJECTS.labels(reason.value).inc(0)
+def init_labels() -> None:
+    """Create every labelled series at 0 so dashboards see each outcome from the start."""
     for outcome in ROUTING_OUTCOMES:
         ROUTING_DECISIONS.labels(outcome).inc(0)
+    for reason in ADMISSION_REASONS:
+        ADMISSION_REFUSED.labels(reason).inc(0)
 
 
 def multiprocess_active() -> bool:
@@ -154,12 +119,24 @@ def clean_multiproc_dir(path: Path | str) -> None:
         f.unlink(missing_ok=True)
 
 
-def scrape(path: Path | str) -> bytes:
-    """The exposition text for `/metrics`: all processes' files in multiprocess mode, else this
-    process's registry (a process that imported prometheus_client before the dir was set)."""
-    if not multiprocess_active():
-        return generate_latest(REGISTRY)
-    mark_dead_processes(path)
+def scrape(path: Path | str, extra: Collector | None = None) -> bytes:
+    """The exposition text for `/metrics`: all router processes' files in multiprocess mode
+    (else this process's registry: one that imported prometheus_client before the dir was set),
+    plus `extra` (the pool's worker series)."""
     registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry, path=str(path))
+    if multiprocess_active():
+        mark_dead_processes(path)
+        multiprocess.MultiProcessCollector(registry, path=str(path))
+    else:
+        registry.register(_Forward(REGISTRY))
+    if extra is not None:
+        registry.register(extra)
     return generate_latest(registry)
+
+
+class _Forward(Collector):
+    def __init__(self, source: CollectorRegistry) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.source.collect()

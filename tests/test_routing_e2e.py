@@ -155,6 +155,54 @@ def test_mlxcel_pool_stats_shows_workers_rejects_and_routing(pool) -> None:
     assert stats["workers"]["w1"]["model"] == MODEL and stats["workers"]["w1"]["last_seen"]
 
 
+def test_metrics_cover_every_worker_from_redis_whatever_its_host(pool) -> None:
+    """/metrics serves the workers' series from what they publish to Redis, not from files on
+    the router's host: the totals equal the counters in Redis, and no worker writes a file."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{pool.url}/metrics", timeout=10).text
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if not s.labels}  # fmt: skip
+    in_redis = sum(int(pool.r.hget(keys.worker_cache_counters(w), "requests") or 0)
+                   for w in WORKERS)  # fmt: skip
+    assert samples["mlxcel_requests_total"] == in_redis > 0
+    assert samples["mlxcel_workers_alive"] == 2
+    cache = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+             if s.name == "mlxcel_routing_decisions_total" and s.labels == {"outcome": "cache"}]
+    assert cache and cache[0] >= 6  # every router process's decisions, summed
+    worker_pids = {str(pool.pid(w)) for w in WORKERS}
+    files = list(Path(pool.settings.multiproc_dir).glob("*.db"))
+    assert files and not [f for f in files if any(f.stem.endswith(f"_{p}") for p in worker_pids)]
+
+
+def test_every_series_the_grafana_dashboard_queries_is_exported(pool) -> None:
+    """docs/grafana-dashboard.json queries only series this pool's /metrics serves (sample names,
+    `_bucket`/`_total` included), with the labels its legends use."""
+    import re
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    path = Path(__file__).parent.parent / "docs" / "grafana-dashboard.json"
+    dashboard = json.loads(path.read_text())
+    text = httpx.get(f"{pool.url}/metrics", timeout=10).text
+    exported: dict[str, set[str]] = {}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            exported.setdefault(sample.name, set()).update(sample.labels)
+    queried = 0
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            for name in re.findall(r"mlxcel_[a-z_]+", target["expr"]):
+                assert name in exported, (panel["title"], name)
+                queried += 1
+            for label in re.findall(r"by \(([a-z_, ]+)\)", target["expr"]):
+                for lab in (x.strip() for x in label.split(",")):
+                    names = re.findall(r"mlxcel_[a-z_]+", target["expr"])
+                    assert lab == "le" or any(lab in exported[n] for n in names), (
+                        panel["title"], lab)  # fmt: skip
+    assert queried >= 20
+
+
 def test_when_the_holder_dies_its_requests_are_served_elsewhere(pool) -> None:
     holder, _ = complete(pool, PREFIX + tail(1000 - 300))
     wait_for(lambda: holds(pool.r, holder, PREFIX) == 6, 10, "indexed")

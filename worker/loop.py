@@ -22,7 +22,6 @@ import redis
 from shared import keys
 from shared.wire import REDIS_UNAVAILABLE, ControlCommand, ControlReply, StreamEvent
 from worker.broker.intake import JobEnd, JobOutcome, RqIntake, TakenJob
-from worker.broker.metrics_sink import MetricsSink
 from worker.broker.outbox import Outbox
 from worker.broker.peer_queues import PeerQueues
 from worker.broker.presence import WorkerPresence
@@ -55,7 +54,6 @@ class WorkerLoop:
     publisher: Publisher
     outbox: Outbox
     reaper: Reaper
-    metrics: MetricsSink
     static_gauges: dict[str, Any]
     # When idle, how long a burst of arrivals may be gathered to prefill as one batch.
     admission_window_s: float = 0.0
@@ -198,7 +196,6 @@ class WorkerLoop:
             writes.index_full = self.engine.held_blocks()
             log.info("block index lost (Redis restart or flush): writing its %d block(s) again",
                      len(writes.index_full))  # fmt: skip
-        self.metrics.apply(writes.counters, self.engine.active)
         running = self.engine.running
         writes.busy = bool(running)
         writes.watched = [req.id for req in running]
@@ -226,7 +223,6 @@ class WorkerLoop:
 
     def _gauges(self) -> dict[str, Any]:
         gauges = {**self.static_gauges, **self.engine.gauges()}
-        self.metrics.set_gauges(gauges)
         return gauges
 
     # -- Redis lost, stop ------------------------------------------------------------------

@@ -54,9 +54,6 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    # PROMETHEUS_MULTIPROC_DIR must be set before prometheus_client's first import.
-    os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", str(settings.multiproc_dir))
-    Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]).mkdir(parents=True, exist_ok=True)
 
     from worker.mlx_cpu import blas
 
@@ -64,7 +61,6 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
     from shared.model_facts import model_facts
     from shared.redis_clients import sync_client
     from worker.broker.intake import RqIntake, own_queues
-    from worker.broker.metrics_sink import MetricsSink
     from worker.broker.outbox import Outbox
     from worker.broker.peer_queues import PeerQueues
     from worker.broker.presence import WorkerPresence
@@ -118,7 +114,6 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
         publisher=publisher,
         outbox=Outbox(publisher),
         reaper=Reaper(presence, intake),
-        metrics=MetricsSink(),
         static_gauges=settings_gauges,
         admission_window_s=settings.worker.admission_window_ms / 1000,
         banner=_banner(facts.model_id, blas_info, settings_gauges, settings),

@@ -1,4 +1,6 @@
-"""GET /metrics: every process's series (prometheus_client multiprocess mode)."""
+"""GET /metrics: the router processes' own series (prometheus_client multiprocess mode) and the
+pool's worker series, read from Redis at scrape time (router/pool_metrics.py): one scrape covers
+the workers of every host."""
 
 from __future__ import annotations
 
@@ -6,17 +8,38 @@ import anyio
 from fastapi import APIRouter
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.core import GaugeMetricFamily
+from rq import Queue
 
+from router.cache_stats import read_pool
+from router.pool_metrics import PoolCollector, pool_families
 from router.state import StateDep
-from shared.metrics import QUEUE_DEPTH, scrape
+from shared import keys
+from shared.metrics import scrape
 
 router = APIRouter()
+
+QUEUE_DEPTH = "mlxcel_queue_depth"
 
 
 @router.get("/metrics")
 async def metrics(state: StateDep) -> Response:
-    # The queue depth is a fact of Redis, not of any process: sample it at scrape time.
-    QUEUE_DEPTH.set(await state.aredis.llen(state.queue_key))
+    workers = await read_pool(state.pool_script)
+    families = pool_families(workers)
+    # Jobs waiting: the model's shared queue and every live worker's own (rq names the keys).
+    queued = [state.queue_key] + [
+        Queue(keys.worker_queue_name(w.worker_id), connection=state.dispatcher.sync_redis).key
+        for w in workers
+        if w.alive
+    ]
+    async with state.aredis.pipeline(transaction=False) as pipe:
+        for key in queued:
+            pipe.llen(key)
+        depths = await pipe.execute()
+    families.append(GaugeMetricFamily(QUEUE_DEPTH, "Jobs waiting in the pool's rq queues.",
+                                      value=sum(depths)))  # fmt: skip
     # Reading the per-process files is file I/O: off the event loop.
-    body = await anyio.to_thread.run_sync(scrape, state.settings.multiproc_dir)
+    body = await anyio.to_thread.run_sync(
+        scrape, state.settings.multiproc_dir, PoolCollector(families)
+    )
     return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,92 @@
+"""The workers' Prometheus series, served by the router from what every worker publishes to Redis.
+
+Workers on any host write their counters (deltas, HINCRBY: they never go backwards, and a dead
+worker's still count) and gauges into their Redis hashes each step; the router reads them all in
+one script (router.cache_stats.read_pool) at scrape time and exposes them under the spec's names
+(../shared/spec/prompt-cache.md), summed over the pool. So one scrape of any router covers a
+multi-host pool, and no worker needs a port of its own. Every router serves the same pool-wide
+values: scrape one router per pool, or aggregate across routers with `max`, not `sum`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from shared.cache_stats import COUNTER_FIELDS, GAUGE_FIELDS, WorkerCacheSnapshot
+from shared.reject import REJECT_REASONS
+
+_EVICTIONS = "Prompt-cache evictions."
+# Counter field in the worker's counters hash -> (metric name without _total, help, label).
+COUNTERS: dict[str, tuple[str, str, tuple[str, str] | None]] = {
+    "hits": ("mlxcel_prompt_cache_hits", "Prompt-cache lookups that matched.", None),
+    "misses": ("mlxcel_prompt_cache_misses", "Prompt-cache lookups that missed.", None),
+    "prefix_tokens_reused": ("mlxcel_prompt_cache_prefix_tokens_reused",
+                             "Prompt tokens served from the prompt cache.", None),
+    "evictions_lru": ("mlxcel_prompt_cache_evictions", _EVICTIONS, ("reason", "lru")),
+    "evictions_ttl": ("mlxcel_prompt_cache_evictions", _EVICTIONS, ("reason", "ttl")),
+    "snapshot_hits": ("mlxcel_prompt_cache_snapshot_hits", "Snapshot lookups that matched.", None),
+    "snapshot_misses": ("mlxcel_prompt_cache_snapshot_misses", "Snapshot lookups that missed.",
+                        None),
+    "snapshot_tokens_reused": ("mlxcel_prompt_cache_snapshot_tokens_reused",
+                               "Prompt tokens restored from snapshots.", None),
+    "snapshot_evictions_lru": ("mlxcel_prompt_cache_snapshot_evictions", "Snapshot evictions.",
+                               ("reason", "lru")),
+    "snapshot_evictions_ttl": ("mlxcel_prompt_cache_snapshot_evictions", "Snapshot evictions.",
+                               ("reason", "ttl")),
+    "requests": ("mlxcel_requests", "Generation requests finished by workers.", None),
+    "prompt_tokens": ("mlxcel_prompt_tokens", "Prompt tokens processed.", None),
+    "completion_tokens": ("mlxcel_completion_tokens", "Completion tokens generated.", None),
+    "batch_prefill_tokens": ("mlxcel_batch_prefill_tokens", "Tokens prefilled in batches.", None),
+    "batch_decode_tokens": ("mlxcel_batch_decode_tokens", "Tokens decoded in batches.", None),
+    "batch_decode_steps": ("mlxcel_batch_decode_steps", "Batched decode steps run.", None),
+    **{
+        r.stats_field: ("mlxcel_prompt_cache_reject", "Prompt-cache rejects by reason.",
+                        ("reason", r.value))
+        for r in REJECT_REASONS
+    },
+}  # fmt: skip
+# Gauge field in the worker's info hash -> (metric name, help); summed over live workers.
+GAUGES: dict[str, tuple[str, str]] = {
+    "bytes": ("mlxcel_prompt_cache_bytes", "Bytes the prompt caches of live workers hold."),
+    "entries": ("mlxcel_prompt_cache_entries", "Entries in the prompt caches of live workers."),
+    "batch_current_size": ("mlxcel_batch_current_size", "Sequences decoding now, pool-wide."),
+}
+WORKERS_ALIVE = "mlxcel_workers_alive"
+# Every family name this module exposes (the Grafana dashboard test reads it).
+FAMILY_NAMES = frozenset({n for n, _, _ in COUNTERS.values()} | {n for n, _ in GAUGES.values()}
+                         | {WORKERS_ALIVE})  # fmt: skip
+
+_COUNTER_INDEX = {f: COUNTER_FIELDS.index(f) for f in COUNTERS}
+_GAUGE_INDEX = {f: len(COUNTER_FIELDS) + GAUGE_FIELDS.index(f) for f in GAUGES}
+
+
+def pool_families(workers: list[WorkerCacheSnapshot]) -> list[Metric]:
+    """The pool-wide families: counters over every worker ever seen, gauges over live ones."""
+    families: dict[str, CounterMetricFamily] = {}
+    for field, (name, doc, label) in COUNTERS.items():
+        fam = families.get(name)
+        if fam is None:
+            labels = [label[0]] if label else []
+            fam = families[name] = CounterMetricFamily(name, doc, labels=labels)
+        total = sum(w.numbers[_COUNTER_INDEX[field]] for w in workers)
+        fam.add_metric([label[1]] if label else [], total)
+    out: list[Metric] = list(families.values())
+    live = [w for w in workers if w.alive]
+    for field, (name, doc) in GAUGES.items():
+        out.append(GaugeMetricFamily(name, doc, value=sum(w.numbers[_GAUGE_INDEX[field]]
+                                                          for w in live)))  # fmt: skip
+    out.append(GaugeMetricFamily(WORKERS_ALIVE, "Workers with a fresh heartbeat.", value=len(live)))
+    return out
+
+
+class PoolCollector(Collector):
+    """A one-scrape collector over families computed beforehand (the read is async)."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.families
