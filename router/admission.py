@@ -8,14 +8,22 @@ Runs in the threadpool (tokenization is CPU work).
 from __future__ import annotations
 
 import enum
+import math
+import re
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from router.errors import APIError
 from router.openai_types import ChatCompletionRequest, CompletionRequest
 from router.tokenization import ChatTemplateError, PromptTokenizer
-from shared.wire import MAX_SEED, GenerationRequest
+from shared.wire import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_SEED,
+    GenerationRequest,
+)
 
 # OpenAI allows 4; the bound keeps the worker's per-step stop matching small.
 MAX_STOP_SEQUENCES = 16
@@ -91,6 +99,99 @@ def _check_common(body: CompletionRequest | ChatCompletionRequest, ctx: Admissio
         raise _invalid("Only n=1 is supported.", "n")
     if body.seed is not None and not 0 <= body.seed <= MAX_SEED:
         raise _invalid(f"'seed' must be an integer in [0, 2**63 - 1], got {body.seed}.", "seed")
+
+
+# A logit_bias key: a token id written in decimal digits (JSON object keys are strings).
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
+
+
+def _check_refused_fields(body: CompletionRequest | ChatCompletionRequest) -> None:
+    """Fields this pool does not serve: a value that asks for them is a 400, never ignored."""
+    fmt = body.response_format
+    if fmt is not None and fmt != {"type": "text"}:
+        raise _invalid(
+            "Only 'response_format' of type 'text' (the default) is supported.",
+            "response_format",
+        )
+    if isinstance(body, CompletionRequest):
+        if body.echo:
+            raise _invalid("'echo' is not supported (prompt logprobs are not served).", "echo")
+        if body.best_of not in (None, 1):
+            raise _invalid("Only best_of=1 is supported.", "best_of")
+        if body.suffix:
+            raise _invalid("'suffix' is not supported.", "suffix")
+
+
+def _logprobs_asked(body: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """None: no logprobs; k: each token's logprob and its k most likely alternatives."""
+    if isinstance(body, CompletionRequest):
+        return body.logprobs
+    if not body.logprobs:
+        if body.top_logprobs:
+            raise _invalid("'top_logprobs' requires 'logprobs': true.", "top_logprobs")
+        return None
+    return body.top_logprobs or 0
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    if not bias:
+        return {}
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise _invalid(
+            f"'logit_bias' may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(bias)}.",
+            "logit_bias",
+        )
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not _TOKEN_ID.fullmatch(key) or int(key) >= vocab_size:
+            raise _invalid(
+                f"'logit_bias' keys must be token ids in [0, {vocab_size}) written as strings "
+                f"of digits, got {key!r}.",
+                "logit_bias",
+            )
+        if not (math.isfinite(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise _invalid(
+                f"'logit_bias' values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                f"got {value} for token {key}.",
+                "logit_bias",
+            )
+        out[int(key)] = float(value)
+    return out
+
+
+def _sampling_controls(
+    body: CompletionRequest | ChatCompletionRequest, tok: PromptTokenizer
+) -> dict[str, Any]:
+    """The GenerationRequest fields of the controls past temperature and top_p, each checked
+    (openai_types' Field bounds did the plain ranges) and neutral when omitted or null."""
+    top_k = 0 if body.top_k is None else body.top_k
+    if top_k < -1:
+        raise _invalid(
+            f"'top_k' must be -1 or 0 (off) or a positive integer, got {top_k}.", "top_k"
+        )
+    return {
+        # -1 (vLLM's off) is 0 on the wire; k >= the vocabulary keeps every token: off too.
+        "top_k": top_k if 0 < top_k < tok.vocab_size else 0,
+        "min_p": 0.0 if body.min_p is None else float(body.min_p),
+        "repetition_penalty": (
+            1.0 if body.repetition_penalty is None else float(body.repetition_penalty)
+        ),
+        "presence_penalty": 0.0 if body.presence_penalty is None else float(body.presence_penalty),
+        "frequency_penalty": (
+            0.0 if body.frequency_penalty is None else float(body.frequency_penalty)
+        ),
+        "logit_bias": _logit_bias(body.logit_bias, tok.vocab_size),
+        "logprobs": _logprobs_asked(body),
+    }
+
+
+def _requested_max_tokens(
+    body: CompletionRequest | ChatCompletionRequest,
+) -> tuple[str, int | None]:
+    """(the param that names it, the count): OpenAI's newer name wins when both are sent."""
+    if body.max_completion_tokens is not None:
+        return "max_completion_tokens", body.max_completion_tokens
+    return "max_tokens", body.max_tokens
 
 
 def _stop_list(stop: str | list[str] | None) -> list[str]:
@@ -183,6 +284,7 @@ def _build(
     tokens: list[int],
     max_tokens: int,
     signature: str,
+    controls: dict[str, Any],
 ) -> GenerationRequest:
     return GenerationRequest(
         request_id=uuid.uuid4().hex,
@@ -192,6 +294,7 @@ def _build(
         temperature=0.0 if body.temperature is None else float(body.temperature),
         top_p=1.0 if body.top_p is None else float(body.top_p),
         seed=body.seed,
+        **controls,
         stop=_stop_list(body.stop),
         session_key=body.prompt_cache_key or body.user or "",
         template_signature=signature,
@@ -202,10 +305,14 @@ def _build(
 def admit_completion(body: CompletionRequest, ctx: AdmissionContext) -> Admission:
     try:
         _check_common(body, ctx)
+        _check_refused_fields(body)
         _stop_list(body.stop)
+        controls = _sampling_controls(body, ctx.tokenizer)
         tokens = _completion_tokens(body, ctx.tokenizer)
-        max_tokens = _max_tokens(body.max_tokens, "max_tokens", len(tokens), "prompt", ctx)
-        return Admission(Outcome.ADMIT, _build(ctx.model_id, body, tokens, max_tokens, ""))
+        param, requested = _requested_max_tokens(body)
+        max_tokens = _max_tokens(requested, param, len(tokens), "prompt", ctx)
+        gen = _build(ctx.model_id, body, tokens, max_tokens, "", controls)
+        return Admission(Outcome.ADMIT, gen)
     except _Refused as refused:
         return refused.admission
 
@@ -213,15 +320,13 @@ def admit_completion(body: CompletionRequest, ctx: AdmissionContext) -> Admissio
 def admit_chat(body: ChatCompletionRequest, ctx: AdmissionContext) -> Admission:
     try:
         _check_common(body, ctx)
+        _check_refused_fields(body)
         _stop_list(body.stop)
+        controls = _sampling_controls(body, ctx.tokenizer)
         tokens, signature = _chat_tokens(body, ctx)
-        # OpenAI's newer name wins when both are sent.
-        param, requested = (
-            ("max_completion_tokens", body.max_completion_tokens)
-            if body.max_completion_tokens is not None
-            else ("max_tokens", body.max_tokens)
-        )
+        param, requested = _requested_max_tokens(body)
         max_tokens = _max_tokens(requested, param, len(tokens), "messages", ctx)
-        return Admission(Outcome.ADMIT, _build(ctx.model_id, body, tokens, max_tokens, signature))
+        gen = _build(ctx.model_id, body, tokens, max_tokens, signature, controls)
+        return Admission(Outcome.ADMIT, gen)
     except _Refused as refused:
         return refused.admission

@@ -17,6 +17,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
+from shared.wire import MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS
+
 FinishReason = Literal["stop", "length"]
 
 
@@ -60,11 +62,33 @@ class _SamplingFields(_Body):
     user: Text | None = None
     prompt_cache_key: Text | None = None
     n: int | None = 1
+    # OpenAI's newer name for max_tokens (it wins when both are sent), on both endpoints.
+    max_completion_tokens: int | None = None
+    # Sampling controls beyond OpenAI's (vLLM's names); top_k's range (-1 and 0: off) and
+    # logit_bias's token ids (JSON keys: strings of ints) are checked in admission.
+    top_k: int | None = None
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=MAX_REPETITION_PENALTY)
+    presence_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    logit_bias: dict[Text, float] | None = None
+    # Only {"type": "text"} (the default) is served; admission refuses any other.
+    response_format: dict[Text, Any] | None = None
+
+
+# The legacy completions API lists at most this many alternatives per token.
+MAX_COMPLETION_LOGPROBS = 5
 
 
 class CompletionRequest(_SamplingFields):
     # A string, token ids, or a one-element list of either (admission rejects longer lists).
     prompt: Text | list[int] | list[Text] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    # Not served; admission refuses a value that asks for them (echo: true, best_of > 1, a
+    # suffix) instead of ignoring it.
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: Text | None = None
 
 
 class TextPart(_Body):
@@ -85,8 +109,9 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
     chat_template: Text | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 # --- responses -----------------------------------------------------------------------------------
@@ -129,33 +154,47 @@ class ResponseFormat:
             "choices": choices,
         }
 
-    def body(self, text: str, finish_reason: str | None, usage: Usage) -> dict[str, Any]:
-        """The non-streaming response."""
+    def body(
+        self,
+        text: str,
+        finish_reason: str | None,
+        usage: Usage,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The non-streaming response; `logprobs` as router.logprobs renders them (None: the
+        request asked for none)."""
         if self.chat:
             choice = {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
             out = self._envelope("chat.completion", [choice])
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs,
+                      "finish_reason": finish_reason}  # fmt: skip
             out = self._envelope("text_completion", [choice])
         out["usage"] = usage.body()
         return out
 
     def chunk(
-        self, text: str, finish_reason: str | None = None, first: bool = False
+        self,
+        text: str,
+        finish_reason: str | None = None,
+        first: bool = False,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """One streaming chunk carrying text and/or the finish reason."""
+        """One streaming chunk carrying text and/or the finish reason, and the logprobs of the
+        tokens whose text it carries."""
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
             if text and not first:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs,
+                      "finish_reason": finish_reason}  # fmt: skip
             return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._envelope("text_completion", [choice])
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:

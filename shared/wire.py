@@ -22,6 +22,15 @@ JOB_FUNC = "worker.jobs.generate"
 STREAM_FIELD = b"m"
 # The largest seed a request may carry: a signed 64-bit int, what every sampler backend takes.
 MAX_SEED = 2**63 - 1
+# Sampling controls' bounds, checked by the router (a 400 naming the param) and again here, so a
+# job the router would not have written never reaches the sampler with a value it cannot take.
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY]
+MAX_REPETITION_PENALTY = 10.0  # repetition_penalty lies in (0, MAX_REPETITION_PENALTY]
+MAX_LOGIT_BIAS = 100.0  # each logit_bias value lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_TOP_LOGPROBS = 20  # the most alternatives a sampled token's logprob entry lists
+# A logprob below this (or -inf, which JSON cannot carry) is reported as this (OpenAI's floor).
+LOGPROB_FLOOR = -9999.0
 
 
 def pack(obj: Any) -> bytes:
@@ -76,6 +85,18 @@ def _all_ints(values: list[Any], minimum: int | None = None) -> bool:
     return minimum is None or not values or min(values) >= minimum
 
 
+def _as_float(cls: type, name: str, value: int | float) -> float:
+    try:
+        return float(value)
+    except OverflowError as exc:
+        raise WireError(f"{cls.__name__}: {name} is too big for a float") from exc
+
+
+def _in_range(cls: type, name: str, value: float, low: float, high: float) -> None:
+    if not low <= value <= high:  # NaN fails this too
+        raise WireError(f"{cls.__name__}: {name} must be in [{low:g}, {high:g}], got {value}")
+
+
 @dataclass
 class GenerationRequest:
     """One request, tokenized by the router, as the worker needs it."""
@@ -87,6 +108,15 @@ class GenerationRequest:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    # The neutral value of each control below leaves sampling exactly as without it.
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
+    repetition_penalty: float = 1.0  # 1: off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    # None: no logprobs; k: each sampled token's logprob and its k most likely alternatives.
+    logprobs: int | None = None
     stop: list[str] = field(default_factory=list)
     # Prompt-cache isolation (spec): session key is prompt_cache_key, else user, else "".
     session_key: str = ""
@@ -96,7 +126,10 @@ class GenerationRequest:
 
     WIRE_TYPES: ClassVar[dict[str, tuple[type, ...]]] = {
         "request_id": (str,), "model": (str,), "prompt_tokens": (list,), "max_tokens": (int,),
-        "temperature": _NUMBER, "top_p": _NUMBER, "seed": (int, type(None)), "stop": (list,),
+        "temperature": _NUMBER, "top_p": _NUMBER, "seed": (int, type(None)), "top_k": (int,),
+        "min_p": _NUMBER, "repetition_penalty": _NUMBER, "presence_penalty": _NUMBER,
+        "frequency_penalty": _NUMBER, "logit_bias": (dict,), "logprobs": (int, type(None)),
+        "stop": (list,),
         "session_key": (str,), "template_signature": (str,), "adapter_id": (str,),
         "enqueued_at": _NUMBER,
     }  # fmt: skip
@@ -137,7 +170,41 @@ class GenerationRequest:
             raise WireError(f"GenerationRequest: seed must be in [0, 2**63 - 1], got {req.seed}")
         if not all(type(s) is str for s in req.stop):
             raise WireError("GenerationRequest: stop must be a list of str")
+        req._check_sampling_controls()
         return req
+
+    def _check_sampling_controls(self) -> None:
+        cls = type(self)
+        if self.top_k < 0:
+            raise WireError(f"GenerationRequest: top_k must be >= 0 (0: off), got {self.top_k}")
+        self.min_p = _as_float(cls, "min_p", self.min_p)
+        _in_range(cls, "min_p", self.min_p, 0.0, 1.0)
+        self.repetition_penalty = _as_float(cls, "repetition_penalty", self.repetition_penalty)
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise WireError(
+                f"GenerationRequest: repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}]"
+                f", got {self.repetition_penalty}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _as_float(cls, name, getattr(self, name))
+            _in_range(cls, name, value, -MAX_PENALTY, MAX_PENALTY)
+            setattr(self, name, value)
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise WireError(
+                f"GenerationRequest: logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries"
+            )
+        bias: dict[int, float] = {}
+        for token, value in self.logit_bias.items():
+            if type(token) is not int or token < 0 or type(value) not in _NUMBER:
+                raise WireError("GenerationRequest: logit_bias must map token ids >= 0 to numbers")
+            bias[token] = _as_float(cls, "logit_bias", value)
+            _in_range(cls, "logit_bias", bias[token], -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+        self.logit_bias = bias
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise WireError(
+                f"GenerationRequest: logprobs must be nil or in [0, {MAX_TOP_LOGPROBS}], "
+                f"got {self.logprobs}"
+            )
 
 
 EventKind = Literal["start", "delta", "done", "error"]
@@ -157,6 +224,10 @@ class StreamEvent:
     seq: int = 0
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    # A request that asked for logprobs: one entry per token of token_ids, `[logprob, [ids of the
+    # top alternatives, most likely first], [their logprobs]]` (ids and floats only: the router
+    # renders the token strings with its tokenizer). Empty otherwise.
+    logprobs: list[list[Any]] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -168,7 +239,7 @@ class StreamEvent:
     KINDS: ClassVar[frozenset[str]] = frozenset({"start", "delta", "done", "error"})
     WIRE_TYPES: ClassVar[dict[str, tuple[type, ...]]] = {
         "kind": (str,), "seq": (int,), "text": (str,), "token_ids": (list,),
-        "finish_reason": (str, type(None)), "prompt_tokens": (int,),
+        "logprobs": (list,), "finish_reason": (str, type(None)), "prompt_tokens": (int,),
         "completion_tokens": (int,), "cached_tokens": (int,),
         "worker_id": (str,), "error": (str,), "error_type": (str,),
     }  # fmt: skip
@@ -184,7 +255,33 @@ class StreamEvent:
             raise WireError(f"StreamEvent: unknown kind {ev.kind!r}")
         if not _all_ints(ev.token_ids):
             raise WireError("StreamEvent: token_ids must be a list of ints")
+        if ev.logprobs and not _valid_logprobs(ev.logprobs, len(ev.token_ids)):
+            raise WireError(
+                "StreamEvent: logprobs must hold one [logprob, [token ids], [logprobs]] entry "
+                "per token id (finite floats, ids >= 0, at most "
+                f"{MAX_TOP_LOGPROBS} alternatives)"
+            )
         return ev
+
+
+def _finite_floats(values: list[Any]) -> bool:
+    return all(type(v) is float and math.isfinite(v) for v in values)
+
+
+def _valid_logprobs(entries: list[Any], tokens: int) -> bool:
+    if len(entries) != tokens:
+        return False
+    for entry in entries:
+        if type(entry) is not list or len(entry) != 3:
+            return False
+        lp, ids, lps = entry
+        if type(ids) is not list or type(lps) is not list or len(ids) != len(lps):
+            return False
+        if len(ids) > MAX_TOP_LOGPROBS or not _all_ints(ids, minimum=0):
+            return False
+        if not _finite_floats([lp, *lps]):
+            return False
+    return True
 
 
 @dataclass

@@ -13,7 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.wire import (
+    MAX_LOGIT_BIAS_ENTRIES,
     MAX_SEED,
+    MAX_TOP_LOGPROBS,
     ControlCommand,
     ControlReply,
     GenerationRequest,
@@ -48,6 +50,13 @@ VALID_REQUESTS = st.builds(
     temperature=st.floats(0, 2),
     top_p=st.floats(0, 1, exclude_min=True),
     seed=st.none() | st.integers(0, MAX_SEED),
+    top_k=st.integers(0, 2**31),
+    min_p=st.floats(0, 1),
+    repetition_penalty=st.floats(0, 10, exclude_min=True),
+    presence_penalty=st.floats(-2, 2),
+    frequency_penalty=st.floats(-2, 2),
+    logit_bias=st.dictionaries(st.integers(0, 2**31), st.floats(-100, 100), max_size=4),
+    logprobs=st.none() | st.integers(0, MAX_TOP_LOGPROBS),
     stop=st.lists(st.text(max_size=8), max_size=16),
     session_key=st.text(max_size=16),
     template_signature=st.text(max_size=16),
@@ -68,6 +77,15 @@ def assert_valid_request(req: GenerationRequest) -> None:
     assert type(req.top_p) is float and 0 < req.top_p <= 1
     assert req.seed is None or (type(req.seed) is int and 0 <= req.seed <= MAX_SEED)
     assert type(req.stop) is list and all(type(s) is str for s in req.stop)
+    assert type(req.top_k) is int and req.top_k >= 0
+    assert type(req.min_p) is float and 0 <= req.min_p <= 1
+    assert type(req.repetition_penalty) is float and 0 < req.repetition_penalty <= 10
+    for name in ("presence_penalty", "frequency_penalty"):
+        assert type(getattr(req, name)) is float and -2 <= getattr(req, name) <= 2
+    assert type(req.logit_bias) is dict and len(req.logit_bias) <= MAX_LOGIT_BIAS_ENTRIES
+    for token, bias in req.logit_bias.items():
+        assert type(token) is int and token >= 0 and type(bias) is float and -100 <= bias <= 100
+    assert req.logprobs is None or (type(req.logprobs) is int and 0 <= req.logprobs <= 20)
     for name in ("session_key", "template_signature", "adapter_id"):
         assert type(getattr(req, name)) is str
     assert type(req.enqueued_at) is float and math.isfinite(req.enqueued_at)
@@ -127,7 +145,14 @@ BASE = GenerationRequest(request_id="r1", model="m", prompt_tokens=[1, 2], max_t
      ("stop", "x"), ("prompt_tokens", []), ("prompt_tokens", [1, -1]), ("prompt_tokens", [True]),
      ("prompt_tokens", [1.0]), ("request_id", ""), ("request_id", 7), ("model", None),
      ("session_key", b"k"), ("adapter_id", 0), ("enqueued_at", "now"),
-     ("enqueued_at", math.nan)],
+     ("enqueued_at", math.nan), ("top_k", -1), ("top_k", 1.0), ("top_k", None),
+     ("min_p", 1.5), ("min_p", -0.1), ("min_p", math.nan), ("repetition_penalty", 0),
+     ("repetition_penalty", 10.5), ("repetition_penalty", math.inf),
+     ("presence_penalty", 2.5), ("presence_penalty", math.nan), ("frequency_penalty", -3),
+     ("logit_bias", [1, 2]), ("logit_bias", {"5": 1.0}), ("logit_bias", {-1: 1.0}),
+     ("logit_bias", {True: 1.0}), ("logit_bias", {5: "x"}), ("logit_bias", {5: 101.0}),
+     ("logit_bias", {5: math.nan}), ("logit_bias", {i: 1.0 for i in range(301)}),
+     ("logprobs", -1), ("logprobs", 21), ("logprobs", True), ("logprobs", 1.0)],
 )  # fmt: skip
 def test_each_bad_field_is_a_wire_error_naming_it(field: str, value: Any) -> None:
     wire = {**BASE.to_wire(), field: value}
@@ -164,6 +189,21 @@ VALID_EVENTS = st.builds(
     error=st.text(max_size=8),
     error_type=st.text(max_size=8),
 )
+
+
+@st.composite
+def events_with_logprobs(draw: st.DrawFn) -> StreamEvent:
+    ev = draw(VALID_EVENTS)
+    lp = st.floats(-9999.0, 0.0)
+    top = draw(st.integers(0, MAX_TOP_LOGPROBS))
+    ev.logprobs = [
+        [draw(lp), draw(st.lists(st.integers(0, 2**31), min_size=top, max_size=top)),
+         draw(st.lists(lp, min_size=top, max_size=top))]
+        for _ in ev.token_ids
+    ]  # fmt: skip
+    return ev
+
+
 MESSAGE_TYPES = (StreamEvent, ControlCommand, ControlReply)
 
 
@@ -210,9 +250,28 @@ def test_message_decoders_take_any_bytes(data: bytes) -> None:
 
 
 @PROPERTY
-@given(VALID_EVENTS)
+@given(VALID_EVENTS | events_with_logprobs())
 def test_valid_events_round_trip(ev: StreamEvent) -> None:
     assert StreamEvent.from_wire(ev.to_wire()) == ev
+
+
+@pytest.mark.parametrize(
+    "logprobs",
+    [[[-0.5, [], []], [-0.1, [], []]], [[-0.5, [1], []]],
+     [[-0.5, [1], [math.nan]]], [[math.inf, [], []]], [[-0.5, [-1], [-1.0]]],
+     [[-0.5, [1.0], [-1.0]]], [[-0.5, []]], [[-1, [], []]], [-0.5], [[-0.5, {}, []]],
+     [[-0.5, list(range(21)), [-1.0] * 21]]],
+)  # fmt: skip
+def test_malformed_logprobs_are_wire_errors(logprobs: list[Any]) -> None:
+    # One token, so one entry is due: two, a short or mistyped entry, a NaN, a negative id...
+    data = pack({"kind": "delta", "token_ids": [7], "logprobs": logprobs})
+    with pytest.raises(WireError, match="logprobs"):
+        StreamEvent.from_wire(data)
+
+
+def test_a_well_formed_logprobs_entry_decodes() -> None:
+    data = pack({"kind": "delta", "token_ids": [7], "logprobs": [[-0.5, [7, 3], [-0.5, -2.0]]]})
+    assert StreamEvent.from_wire(data).logprobs == [[-0.5, [7, 3], [-0.5, -2.0]]]
 
 
 @pytest.mark.parametrize("data", [None, "text", 5, b"", b"\xc1", b"\x91" * 3000])

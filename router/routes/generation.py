@@ -20,13 +20,14 @@ from router.admission import Admission, AdmissionContext, Outcome
 from router.admission_ledger import Refusal
 from router.dispatch import TIMEOUT, WORKER_LOST
 from router.errors import APIError
+from router.logprobs import LogprobRenderer, TokenLogprob, from_event, token_table
 from router.openai_types import ResponseFormat, Usage
 from router.routing_metrics import observe_placement
 from router.state import RouterState
 from router.tokenization import TokenizerLoadError
 from shared.block_hash import CacheNamespace, index_members
 from shared.canary_check import CanaryMismatch
-from shared.metrics import REQUEST_DECODE_TOK_S, REQUEST_TTFT_MS
+from shared.metrics import ADMISSION_REFUSED, REQUEST_DECODE_TOK_S, REQUEST_TTFT_MS
 from shared.wire import REDIS_UNAVAILABLE, GenerationRequest, StreamEvent
 
 log = logging.getLogger(__name__)
@@ -45,15 +46,24 @@ class _Progress:
     usage: Usage = field(default_factory=Usage)
     finish_reason: str | None = None
     worker_id: str = ""
+    # The request asked for logprobs: each token's, and how many a streamed chunk has sent.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    logprobs_sent: int = 0
+    chars: int = 0  # characters of completion text so far (the legacy API's text_offset)
 
     def on_event(self, ev: StreamEvent) -> None:
         now = time.time()
         if ev.kind == "start":  # an attempt begins: a lost one's text (never sent) is dropped
             self.text.clear()
+            self.logprobs.clear()
+            self.logprobs_sent = self.chars = 0
             self.worker_id = ev.worker_id or ""
             self.usage.cached_tokens = ev.cached_tokens
         elif ev.kind == "delta":
+            if ev.logprobs:
+                self.logprobs.extend(from_event(ev.token_ids, ev.logprobs, self.chars))
             self.text.append(ev.text)
+            self.chars += len(ev.text)
             if self.first_token_at is None:
                 self.first_token_at = now
                 REQUEST_TTFT_MS.observe(max(0.0, (now - self.gen.enqueued_at) * 1000))
@@ -103,12 +113,26 @@ async def _collect(events: AsyncIterator[StreamEvent], progress: _Progress) -> N
     raise APIError(CLIENT_CLOSED, "The client closed the request.")
 
 
+def _unsent_logprobs(
+    renderer: LogprobRenderer | None, progress: _Progress
+) -> dict[str, Any] | None:
+    """The logprobs of the tokens no chunk has carried yet (a token whose text the worker held
+    back, part of a character or of a possible stop string, goes with the chunk that carries
+    its text, or with the last chunk)."""
+    if renderer is None or progress.logprobs_sent == len(progress.logprobs):
+        return None
+    unsent = progress.logprobs[progress.logprobs_sent :]
+    progress.logprobs_sent = len(progress.logprobs)
+    return renderer.render(unsent)
+
+
 async def _chunks(
     first: StreamEvent,
     events: AsyncIterator[StreamEvent],
     fmt: ResponseFormat,
     progress: _Progress,
     include_usage: bool,
+    renderer: LogprobRenderer | None = None,
 ) -> AsyncIterator[bytes]:
     def chunk(body: dict[str, Any]) -> bytes:
         if include_usage:
@@ -126,9 +150,10 @@ async def _chunks(
                 return
             progress.on_event(ev)
             if ev.kind == "delta" and ev.text:
-                yield chunk(fmt.chunk(ev.text))
+                yield chunk(fmt.chunk(ev.text, logprobs=_unsent_logprobs(renderer, progress)))
             if ev.kind == "done":
-                yield chunk(fmt.chunk("", progress.finish_reason))
+                last = _unsent_logprobs(renderer, progress)
+                yield chunk(fmt.chunk("", progress.finish_reason, logprobs=last))
                 if include_usage:
                     yield _sse(fmt.usage_chunk(progress.usage))
                 yield _sse("[DONE]")
@@ -160,6 +185,8 @@ async def admit_and_submit(
         req = admission.request
         if admission.outcome is not Outcome.ADMIT or req is None:
             return admission
+        if req.logprobs is not None:
+            token_table(ctx.tokenizer)  # built once per tokenizer, here, before the enqueue
         # The pool's bound and the worker, decided before anything is enqueued (and before any
         # 200), from the blocks the prompt hashes to exactly as the worker's cache hashes them.
         ledger = state.dispatcher.ledger
@@ -167,6 +194,7 @@ async def admit_and_submit(
         members = index_members(state.hasher.chain(req.prompt_tokens, ns.seed()))
         placed = ledger.reserve(req.request_id, len(req.prompt_tokens), req.model, members)
         if isinstance(placed, Refusal):
+            ADMISSION_REFUSED.labels(placed.reason).inc()
             retry = state.settings.admission.retry_after_s
             return Admission(Outcome.POOL_BUSY, message=placed.message(), retry_after_s=retry)
         if not placed.worker_id and req.model != state.model_id:
@@ -204,12 +232,16 @@ async def respond(
     include_usage: bool,
 ) -> Response:
     """Relay a request already admitted and enqueued (admit_and_submit)."""
+    renderer = None
+    if gen.logprobs is not None:
+        renderer = await anyio.to_thread.run_sync(_logprob_renderer, state, gen.model, fmt.chat)
     events = state.dispatcher.events(gen, request.is_disconnected, streamed=stream)
     progress = _Progress(gen)
     if not stream:
         async with aclosing(events):
             await _collect(events, progress)
-        body = fmt.body("".join(progress.text), progress.finish_reason, progress.usage)
+        logprobs = renderer.render(progress.logprobs) if renderer is not None else None
+        body = fmt.body("".join(progress.text), progress.finish_reason, progress.usage, logprobs)
         return JSONResponse(body, headers=_served_by(progress.worker_id))
     # Wait for the first event before answering 200, so an early failure keeps its status code.
     first = await anext(events, None)
@@ -219,11 +251,20 @@ async def respond(
             raise APIError(CLIENT_CLOSED, "The client closed the request.")
         raise error_for(first)
     return StreamingResponse(
-        _chunks(first, events, fmt, progress, include_usage),
+        _chunks(first, events, fmt, progress, include_usage, renderer),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                  **_served_by(first.worker_id if first.kind == "start" else "")},
     )  # fmt: skip
+
+
+def _logprob_renderer(state: RouterState, model: str, chat: bool) -> LogprobRenderer:
+    """Blocking (the first request with logprobs builds its tokenizer's token table)."""
+    ctx = state.catalog.get(model)  # admission loaded it: found without a Redis read
+    if ctx is None:
+        raise APIError(503, f"No live worker serves '{model}' now; retry shortly.",
+                       "server_error", None, "no_live_worker")  # fmt: skip
+    return LogprobRenderer(token_table(ctx.tokenizer), chat)
 
 
 # Names the worker that ran the request (its first attempt, when streamed): why a request went

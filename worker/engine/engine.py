@@ -25,7 +25,13 @@ from shared.config import WorkerConfig
 from shared.wire import GenerationRequest, StreamEvent
 from worker.engine.request import Request, RequestStatus
 from worker.engine.results import StepResult
-from worker.engine.sampling import make_request_sampler
+from worker.engine.sampling import (
+    LogprobEntry,
+    apply_processors,
+    logprob_entries,
+    make_logits_processors,
+    make_request_sampler,
+)
 from worker.engine.text_stream import TextStream
 from worker.mlx_cpu.last_logits import last_logits
 from worker.prompt_cache.keys import CacheNamespace
@@ -132,12 +138,14 @@ class Engine:
             namespace=CacheNamespace(self.model_id, spec.adapter_id, spec.template_signature),
             text=TextStream(self.tokenizer.detokenizer, list(spec.stop)),
             sampler=None,
+            processors=[],
             admitted_at=now,
             deadline=now + timeout_s if timeout_s and timeout_s > 0 else None,
         )
         try:
             self._check(spec)
-            req.sampler = make_request_sampler(spec.temperature, spec.top_p, spec.seed)
+            req.sampler = make_request_sampler(spec, self.vocab_size)
+            req.processors = make_logits_processors(spec)
             self._start(req, out)
         except AdmissionError as exc:
             self._abandon(req, RequestStatus.FAILED, str(exc), INVALID, out)
@@ -150,6 +158,10 @@ class Engine:
         n = len(spec.prompt_tokens)
         if max(spec.prompt_tokens) >= self.vocab_size:
             raise AdmissionError(f"prompt token id out of range for vocab size {self.vocab_size}")
+        if spec.logit_bias and max(spec.logit_bias) >= self.vocab_size:
+            raise AdmissionError(
+                f"logit_bias token id out of range for vocab size {self.vocab_size}"
+            )
         if n + spec.max_tokens > self.context_length:
             raise AdmissionError(
                 f"prompt ({n} tokens) + max_tokens ({spec.max_tokens}) exceeds the model's "
@@ -197,6 +209,7 @@ class Engine:
             caches=[caches] if caches is not None else None,
             all_tokens=[list(cached_tokens)] if caches is not None else None,
             samplers=[req.sampler],
+            logits_processors=[req.processors],
         )
         req.uid = uid
         self._running[uid] = req
@@ -211,12 +224,16 @@ class Engine:
         remaining = spec.prompt_tokens[req.cached_tokens :]
         with mx.stream(self.gen.stream):
             logits = last_logits(self.model, mx.array([remaining]), caches)
+            # As BatchGenerator runs a sequence's processors: over its tokens so far.
+            logits = apply_processors(req.processors, spec.prompt_tokens, logits)
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             token = int((req.sampler or greedy_sampler)(logprobs).item())
+            entry = self._logprobs(req, logprobs, token)
         self.counters.batch_prefill_tokens += len(remaining)
         req.status = RequestStatus.DECODING
         budget_reason = "length" if spec.max_tokens == 1 else None
-        reason, _ = self._accept(req, token, "stop" if token in self._eos else budget_reason, out)
+        reason = "stop" if token in self._eos else budget_reason
+        reason, _ = self._accept(req, token, reason, out, entry)
         if reason is not None:
             # The KV covers the prompt; the sampled token was never fed back.
             self._finish(req, reason, caches, list(spec.prompt_tokens), out)
@@ -244,13 +261,15 @@ class Engine:
         self.counters.batch_decode_tokens += stats.generation_tokens
         self.counters.batch_decode_steps += stats.generation_steps
         cut: list[Request] = []  # ended by a stop string while BatchGenerator still holds them
+        entries = self._step_logprobs(responses, out)
         for r in responses:
             req = self._running.get(r.uid)
             if req is None:
                 continue
             try:
                 req.status = RequestStatus.DECODING
-                reason, by_text = self._accept(req, r.token, r.finish_reason, out)
+                entry = entries.get(r.uid)
+                reason, by_text = self._accept(req, r.token, r.finish_reason, out, entry)
                 if by_text:
                     cut.append(req)
                 elif reason is not None:
@@ -265,17 +284,53 @@ class Engine:
                 self._finish(req, "stop", layer_caches, tokens, out)
         return self._drained(out)
 
+    def _step_logprobs(self, responses: list[Any], out: StepResult) -> dict[int, LogprobEntry]:
+        """The logprob entries of this step's tokens, by uid, for the requests that asked for
+        them: one evaluation for all of them, nothing at all when none asked. Each comes from
+        BatchGenerator's `Response.logprobs`, the log-softmax after the request's penalties and
+        logit bias and before temperature and truncation (worker/engine/sampling.py says why)."""
+        wanted = []
+        for r in responses:
+            req = self._running.get(r.uid)
+            if req is not None and req.spec.logprobs is not None:
+                wanted.append((req, r))
+        if not wanted:
+            return {}
+        try:
+            rows = [(r.logprobs, r.token, req.spec.logprobs) for req, r in wanted]
+            entries = logprob_entries(rows)
+        except Exception as exc:  # theirs alone: the requests without logprobs run on
+            log.exception("logprobs of %d sequences failed", len(wanted))
+            for req, _ in wanted:
+                self._abandon(req, RequestStatus.FAILED, _describe(exc), SERVER, out)
+            return {}
+        return {r.uid: entry for (_, r), entry in zip(wanted, entries, strict=True)}
+
+    def _logprobs(self, req: Request, logprobs: mx.array, token: int) -> LogprobEntry | None:
+        if req.spec.logprobs is None:
+            return None
+        return logprob_entries([(logprobs, token, req.spec.logprobs)])[0]
+
     def _accept(
-        self, req: Request, token: int, reason: str | None, out: StepResult
+        self,
+        req: Request,
+        token: int,
+        reason: str | None,
+        out: StepResult,
+        logprobs: LogprobEntry | None = None,
     ) -> tuple[str | None, bool]:
-        """Fold one sampled token into the request: emit its text and say why the request ends
-        (None: it goes on), and whether a stop string ended it (BatchGenerator did not)."""
+        """Fold one sampled token into the request: emit its text (and its logprob entry, when
+        the request asked) and say why the request ends (None: it goes on), and whether a stop
+        string ended it (BatchGenerator did not)."""
         if reason == "stop" and token in self._eos:
             return reason, False  # an EOS token ends the sequence: no text, no completion token
         req.completion_tokens += 1
         self.counters.completion_tokens += 1
         delta = req.text.push(token)
-        out.emit(req, StreamEvent(kind="delta", text=delta.text, token_ids=[token]))
+        entries = [logprobs] if logprobs is not None else []
+        out.emit(
+            req, StreamEvent(kind="delta", text=delta.text, token_ids=[token], logprobs=entries)
+        )
         if delta.stopped:
             return "stop", reason is None
         return reason, False

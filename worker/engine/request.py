@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.wire import GenerationRequest
-from worker.engine.sampling import Sampler
+from worker.engine.sampling import LogitsProcessor, Sampler
 from worker.engine.text_stream import TextStream
 from worker.prompt_cache.block_pool import CacheLease
 from worker.prompt_cache.keys import CacheNamespace
@@ -47,6 +47,7 @@ class Request:
     namespace: CacheNamespace
     text: TextStream
     sampler: Sampler | None  # None: greedy, batched with the other greedy sequences
+    processors: list[LogitsProcessor]  # its penalties and logit bias; empty: none
     admitted_at: float
     deadline: float | None  # engine clock; past it the request fails (rq's job timeout)
     status: RequestStatus = RequestStatus.PREFILLING
