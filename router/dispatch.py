@@ -242,8 +242,9 @@ class Dispatcher:
                 if event.seq < attempt.next_seq and event.error_type != JOB_FAILED:
                     continue  # a write Redis applied twice: relayed already
                 if event.seq > attempt.next_seq and event.kind != "error":
+                    # Only Redis loses a stream's writes (a failover, a restart): retryable 503.
                     yield _error(
-                        JOB_FAILED,
+                        REDIS_UNAVAILABLE,
                         f"the request's stream lost events "
                         f"{attempt.next_seq}..{event.seq - 1}; its text is incomplete",
                     )
@@ -262,7 +263,9 @@ class Dispatcher:
                 continue
             if disconnected is not None and await disconnected():
                 return
-            if job_finished:  # rq says done, and nothing more came: the worker lost the end
+            if job_finished and not await self._unread(attempt):
+                # rq says done, nothing more came, and the stream holds nothing unread either:
+                # the worker lost the end. (Unread entries: this process's reader is behind.)
                 yield _error(JOB_FAILED, "the worker finished the job without a final event")
                 return
             if pending_failure is not None:  # a quiet wait after rq said failed: no event comes
@@ -285,6 +288,15 @@ class Dispatcher:
                 if state.lost is not None:
                     yield _error(WORKER_LOST, state.lost)
                     return
+
+    async def _unread(self, attempt: _Attempt) -> bool:
+        """Whether the attempt's stream holds events not relayed yet (one per seq number)."""
+        try:
+            return int(await self.aredis.xlen(keys.request_stream(attempt.job_id))) > (
+                attempt.next_seq
+            )
+        except redis.RedisError:
+            return False
 
     def _job_state(self, attempt: _Attempt) -> _JobState:
         """The job as rq records it and, while it runs, whether its worker still beats (on the

@@ -86,14 +86,25 @@ for _, w in ipairs(live) do
 end
 if #live > 0 and #open == 0 then return {0, 'inflight', n, limit} end
 
--- How many of the prompt's leading blocks the worker holds or was already sent.
+-- How many of the prompt's leading blocks the worker holds or was already sent. Most workers
+-- hold no block of a given prompt: the first block alone rules them out (two O(1) calls), so a
+-- decision's cost grows with the workers that match, not with every live one. Routed marks are
+-- read only past the held prefix (a small sorted set is a listpack Redis scans per member).
 local function cached_tokens(w)
   if #members == 0 then return 0 end
-  local held = redis.call('SMISMEMBER', key(ARGV[9], w.wid, w.epoch), unpack(members))
-  local routed = redis.call('ZMSCORE', key(ARGV[10], w.wid), unpack(members))
+  local blocks, routed = key(ARGV[9], w.wid, w.epoch), key(ARGV[10], w.wid)
+  local first_mark = redis.call('ZSCORE', routed, members[1])
+  local first_routed = first_mark and tonumber(first_mark) > now
+  if not first_routed and redis.call('SISMEMBER', blocks, members[1]) == 0 then return 0 end
+  local held = redis.call('SMISMEMBER', blocks, unpack(members))
   local k = 0
-  while k < #members and (held[k + 1] == 1 or (routed[k + 1] and tonumber(routed[k + 1]) > now)) do
-    k = k + 1
+  while k < #members and held[k + 1] == 1 do k = k + 1 end
+  if k < #members and (first_routed or redis.call('ZCARD', routed) > 0) then
+    local marks = redis.call('ZMSCORE', routed, unpack(members, k + 1))
+    local j = 1
+    while k < #members and (held[k + 1] == 1 or (marks[j] and tonumber(marks[j]) > now)) do
+      k, j = k + 1, j + 1
+    end
   end
   local tokens = math.min(k * block_size, prompt - 1)
   tokens = tokens - tokens % w.unit

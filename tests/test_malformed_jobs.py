@@ -44,7 +44,8 @@ def _failed_ids(r: redis.Redis) -> set[str]:
 def test_malformed_jobs_fail_alone_and_the_worker_serves_on(redis_url: str, start_worker) -> None:
     r = redis.Redis.from_url(redis_url)
     queue = Queue(SHARED_QUEUE, connection=r, **KW)
-    w = start_worker(redis_url, "w1")
+    # Written before the worker listens: a job hash edited after its enqueue could otherwise be
+    # taken, whole and valid, in between.
     bad = {
         "garbage data": _bad_hash(r, data=b"\xc1\xff not msgpack"),
         "bad created_at": _bad_hash(r, created_at="yesterday-ish"),
@@ -59,6 +60,7 @@ def test_malformed_jobs_fail_alone_and_the_worker_serves_on(redis_url: str, star
     }
     r.rpush(queue.key, uuid.uuid4().hex)  # an id whose job hash does not exist at all
     good = enqueue(r, PROMPT, max_tokens=6)
+    w = start_worker(redis_url, "w1")
 
     events = read_events(r, good, timeout=60)
     assert events[-1].kind == "done" and len(generated_tokens(events)) == 6

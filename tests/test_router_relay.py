@@ -354,6 +354,7 @@ def test_a_gap_in_the_stream_ends_the_request_instead_of_wrong_text(
     assert "c" not in texts
     error = json.loads(lines[-2].removeprefix("data: "))["error"]
     assert "lost events 2..2" in error["message"]
+    assert error["code"] == "redis_unavailable"  # Redis lost writes: a 503 the client may retry
 
 
 def _beating(r: redis.Redis, wid: str, age_s: float) -> None:
