@@ -203,6 +203,28 @@ def test_every_series_the_grafana_dashboard_queries_is_exported(pool) -> None:
     assert queried >= 20
 
 
+def test_a_job_waiting_behind_a_busy_worker_is_taken_by_an_idle_peer(pool) -> None:
+    """A job in w1's own queue while w1 cannot take it (mid-request, then stopped for 2 s: well
+    under the 5 s that would make it dead) is taken by w2 once it has waited steal_after_ms
+    (300 ms here). Stopped while idle, w1 would have popped it already: an idle worker blocks
+    on its queue, a busy one only looks between steps."""
+    from tests.streams import enqueue, read_events
+
+    q1 = keys.worker_queue_name("w1")
+    busy = enqueue(pool.r, PREFIX + tail(60), max_tokens=1500, queue=q1)
+    wait_for(lambda: pool.r.xlen(keys.request_stream(busy)) > 2, 30, "w1 busy decoding")
+    os.kill(pool.pid("w1"), signal.SIGSTOP)
+    try:
+        rid = enqueue(pool.r, PREFIX + tail(50), max_tokens=4, queue=q1)
+        events = read_events(pool.r, rid, timeout=10)
+    finally:
+        os.kill(pool.pid("w1"), signal.SIGCONT)
+    assert events[0].kind == "start" and events[0].worker_id == "w2"
+    assert events[-1].kind == "done"
+    pool.r.set(keys.request_cancel(busy), "1", ex=60)  # let w1's long request go
+    wait_for(lambda: _alive(pool, "w1"), 10, "w1 beating again")
+
+
 def test_when_the_holder_dies_its_requests_are_served_elsewhere(pool) -> None:
     holder, _ = complete(pool, PREFIX + tail(1000 - 300))
     wait_for(lambda: holds(pool.r, holder, PREFIX) == 6, 10, "indexed")
