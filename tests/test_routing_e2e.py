@@ -235,8 +235,14 @@ def test_when_the_holder_dies_its_requests_are_served_elsewhere(pool) -> None:
     assert served == _other(holder)
     served, _ = complete(pool, PREFIX + tail(730))
     assert served == _other(holder)
-    # It comes back under a new epoch: its last life's blocks never count again.
+    # Once the peer has reaped it, its routing entries are gone, not just ignored.
     old_epoch = pool.r.hget(keys.worker_info(holder), "epoch")
+    wait_for(lambda: pool.r.exists(keys.worker_reaped(holder)), 20, "the holder reaped")
+    assert not pool.r.exists(keys.worker_routed(holder), keys.worker_load(holder),
+                             keys.worker_prefill(holder))  # fmt: skip
+    if old_epoch is not None:  # read before its info hash expired
+        assert not pool.r.exists(keys.worker_blocks(holder, old_epoch.decode()))
+    # It comes back under a new epoch: its last life's blocks never count again.
     pool.start_worker(holder)
     wait_for(lambda: pool.r.hget(keys.worker_info(holder), "epoch") not in (None, old_epoch),
              120, "the holder restarted")  # fmt: skip
