@@ -8,6 +8,7 @@ Runs in the threadpool (tokenization is CPU work).
 from __future__ import annotations
 
 import enum
+import json
 import math
 import re
 import time
@@ -16,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.errors import APIError
-from router.openai_types import ChatCompletionRequest, CompletionRequest
-from router.tokenization import ChatTemplateError, PromptTokenizer
+from router.openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest
+from router.tokenization import RESERVED_TEMPLATE_KWARGS, ChatTemplateError, PromptTokenizer
 from shared.wire import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
@@ -255,6 +256,78 @@ def _fits_before_tokenizing(chars: int, param: str, tok: PromptTokenizer) -> Non
         )
 
 
+def _template_message(i: int, m: ChatMessage) -> dict[str, Any]:
+    """One message as chat templates read it (mlx_lm.server's and vLLM's shape): text content
+    (null: ""), an assistant's tool calls with their arguments as a JSON object when they parse
+    as one, a tool result's tool_call_id."""
+    where = f"messages[{i}]"
+    if m.content is None and not (m.role == "assistant" and m.tool_calls):
+        raise _invalid(
+            f"'{where}.content' may be null only in an assistant message with 'tool_calls'.",
+            f"{where}.content",
+        )
+    if m.tool_calls is not None and m.role != "assistant":
+        raise _invalid(f"'{where}.tool_calls' belongs to assistant messages only.",
+                       f"{where}.tool_calls")  # fmt: skip
+    if m.role == "tool" and not m.tool_call_id:
+        raise _invalid(f"'{where}' (role 'tool') requires 'tool_call_id'.",
+                       f"{where}.tool_call_id")  # fmt: skip
+    out: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.name is not None:
+        out["name"] = m.name
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        calls = []
+        for call in m.tool_calls:
+            try:
+                arguments: Any = json.loads(call.function.arguments)
+            except ValueError:
+                arguments = call.function.arguments  # the template gets the string as sent
+            fn = {"name": call.function.name, "arguments": arguments}
+            calls.append({"id": call.id, "type": "function", "function": fn})
+        out["tool_calls"] = calls
+    return out
+
+
+def chat_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The tools the template renders (and the parser may type arguments by): none when
+    tool_choice is "none"; a named tool_choice must name one of them."""
+    if not body.tools and body.tool_choice not in (None, "none", "auto"):
+        raise _invalid("'tool_choice' requires 'tools'.", "tool_choice")
+    if not body.tools or body.tool_choice == "none":
+        return None
+    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    choice = body.tool_choice
+    if not isinstance(choice, str) and choice is not None:
+        names = {t.function.name for t in body.tools}
+        if choice.function.name not in names:
+            raise _invalid(f"'tool_choice' names the function {choice.function.name!r}, "
+                           "which 'tools' does not declare.", "tool_choice")  # fmt: skip
+    # Forcing a call needs constrained decoding, which this pool does not do yet: refused, so a
+    # client never believes a call is guaranteed when it is not.
+    if choice is not None and choice != "auto":
+        raise _invalid("Only tool_choice 'auto' or 'none' is supported (no constrained decoding "
+                       "to force a call).", "tool_choice")  # fmt: skip
+    if body.parallel_tool_calls is False:
+        raise _invalid("'parallel_tool_calls: false' is not supported: the model may make "
+                       "several calls.", "parallel_tool_calls")  # fmt: skip
+    return tools
+
+
+def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not kwargs:
+        return None
+    reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise _invalid(
+            f"'chat_template_kwargs' may not set {', '.join(reserved)} (request fields and the "
+            "template call set them).",
+            "chat_template_kwargs",
+        )
+    return kwargs
+
+
 def _chat_tokens(body: ChatCompletionRequest, ctx: AdmissionContext) -> tuple[list[int], str]:
     tok = ctx.tokenizer
     if not body.messages:
@@ -267,10 +340,15 @@ def _chat_tokens(body: ChatCompletionRequest, ctx: AdmissionContext) -> tuple[li
             "allow it with MLXCEL_TRUST_REQUEST_CHAT_TEMPLATE=true).",
             "chat_template",
         )
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    _fits_before_tokenizing(sum(len(m["content"]) for m in messages), "messages", tok)
+    messages = [_template_message(i, m) for i, m in enumerate(body.messages)]
+    tools = chat_tools(body)
+    kwargs = _template_kwargs(body.chat_template_kwargs)
+    chars = sum(len(m["content"]) for m in messages) + sum(
+        len(json.dumps(t, ensure_ascii=False)) for t in tools or []
+    )
+    _fits_before_tokenizing(chars, "messages", tok)
     try:
-        tokens, signature = tok.encode_chat(messages, body.chat_template)
+        tokens, signature = tok.encode_chat(messages, body.chat_template, tools, kwargs)
     except ChatTemplateError as exc:
         raise _invalid(str(exc), "chat_template") from exc
     if not tokens:

@@ -19,7 +19,7 @@ from pydantic_core import PydanticCustomError
 
 from shared.wire import MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 def _valid_unicode(text: str) -> str:
@@ -96,15 +96,70 @@ class TextPart(_Body):
     text: Text
 
 
+def _valid_json_strings(value: Any) -> Any:
+    """Every string (key or value) inside a JSON tree is valid Unicode (see `Text`)."""
+    if isinstance(value, str):
+        _valid_unicode(value)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _valid_json_strings(k)
+            _valid_json_strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            _valid_json_strings(v)
+    return value
+
+
+# A JSON object passed on to the chat template (tool parameters, chat_template_kwargs).
+JSONObject = Annotated[dict[Text, Any], AfterValidator(_valid_json_strings)]
+
+
+class FunctionCall(_Body):
+    name: Text
+    arguments: Text  # a JSON string, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant"]
-    content: Text | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # null: only an assistant message with tool_calls (admission checks the rule).
+    content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant only
+    tool_call_id: Text | None = None  # tool only (required there)
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+
+class FunctionSpec(_Body):
+    name: Text = Field(min_length=1)
+    description: Text | None = None
+    parameters: JSONObject | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(_Body):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Body):
+    name: Text
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -112,6 +167,11 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: Text | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # Extra variables for the chat template (e.g. {"enable_thinking": false}).
+    chat_template_kwargs: JSONObject | None = None
 
 
 # --- responses -----------------------------------------------------------------------------------
@@ -160,13 +220,19 @@ class ResponseFormat:
         finish_reason: str | None,
         usage: Usage,
         logprobs: dict[str, Any] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """The non-streaming response; `logprobs` as router.logprobs renders them (None: the
-        request asked for none)."""
+        request asked for none). With tool calls, `content` is null when no text came with
+        them."""
         if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if tool_calls:
+                message["content"] = text or None
+                message["tool_calls"] = tool_calls
             choice = {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
@@ -184,13 +250,20 @@ class ResponseFormat:
         finish_reason: str | None = None,
         first: bool = False,
         logprobs: dict[str, Any] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
+        first_index: int = 0,
     ) -> dict[str, Any]:
-        """One streaming chunk carrying text and/or the finish reason, and the logprobs of the
-        tokens whose text it carries."""
+        """One streaming chunk carrying text, tool calls (each whole, numbered from
+        `first_index`) and/or the finish reason, and the logprobs of the tokens whose text it
+        carries."""
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
             if text and not first:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = [
+                    {"index": first_index + i, **call} for i, call in enumerate(tool_calls)
+                ]
             choice = {"index": 0, "delta": delta, "logprobs": logprobs,
                       "finish_reason": finish_reason}  # fmt: skip
             return self._envelope("chat.completion.chunk", [choice])

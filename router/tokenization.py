@@ -6,6 +6,7 @@ directory, local files only: the router never reaches the network and never impo
 
 from __future__ import annotations
 
+import inspect
 import logging
 import queue
 from collections.abc import Iterator
@@ -14,8 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from router.tool_calls import ToolParser, infer_parser_name, load_parser
 from shared.block_hash import template_signature
 from shared.model_facts import FALLBACK_CONTEXT, ModelConfigError, model_facts
 
@@ -68,22 +70,58 @@ class PromptTokenizer:
             return list(hf.encode(text))
 
     def encode_chat(
-        self, messages: list[dict[str, str]], template: str | None = None
+        self,
+        messages: list[dict[str, Any]],
+        template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[list[int], str]:
-        """Chat: render the template (the request's, else the model's), then encode the text
-        without adding special tokens again (the template writes them). Returns (ids, signature)."""
+        """Chat: render the template (the request's, else the model's) with `tools` and the
+        request's extra template variables, then encode the text without adding special tokens
+        again (the template writes them). Returns (ids, signature).
+
+        A `developer` message (OpenAI's newer name for system) keeps its role when the template
+        names that role, and is rendered as `system` otherwise."""
         used = template if template is not None else self.default_template
         if not used:
             raise ChatTemplateError("the model has no chat template; pass `chat_template`")
+        if "developer" not in used:
+            messages = [
+                {**m, "role": "system"} if m.get("role") == "developer" else m for m in messages
+            ]
         with self.pool.borrow() as hf:
             try:
                 text = hf.apply_chat_template(
-                    messages, chat_template=used, tokenize=False, add_generation_prompt=True
+                    messages,
+                    tools=tools or None,
+                    chat_template=used,
+                    tokenize=False,
+                    add_generation_prompt=True,
+                    **(template_kwargs or {}),
                 )
             except Exception as exc:  # jinja2 errors of any kind: a bad template is bad input
                 raise ChatTemplateError(f"chat template failed to render: {exc}") from exc
             ids = list(hf.encode(text, add_special_tokens=False))
         return ids, template_signature(used)
+
+    def tool_parser(self, template: str | None = None) -> ToolParser | None:
+        """mlx-lm's tool-call parser for the template that renders the prompt (the request's,
+        else the model's, whose tokenizer config may name its parser), or None: no format."""
+        name = None
+        if template is None:
+            name = getattr(self.hf, "init_kwargs", {}).get("tool_parser_type")
+        if not isinstance(name, str):
+            used = template if template is not None else self.default_template
+            name = infer_parser_name(used, self.hf.get_vocab())
+        return load_parser(name) if name else None
+
+
+# apply_chat_template's own parameters: a chat_template_kwargs key may not set them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    name
+    for name in inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+    if name not in ("self", "kwargs")
+) | {"messages"}
 
 
 def load_tokenizer(model_dir: Path, copies: int = 1) -> PromptTokenizer:

@@ -167,8 +167,12 @@ def test_metrics_cover_every_worker_from_redis_whatever_its_host(pool) -> None:
                    for w in WORKERS)  # fmt: skip
     assert samples["mlxcel_requests_total"] == in_redis > 0
     assert samples["mlxcel_workers_alive"] == 2
-    cache = [s.value for f in text_string_to_metric_families(text) for s in f.samples
-             if s.name == "mlxcel_routing_decisions_total" and s.labels == {"outcome": "cache"}]
+    cache = [
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "mlxcel_routing_decisions_total" and s.labels == {"outcome": "cache"}
+    ]
     assert cache and cache[0] >= 6  # every router process's decisions, summed
     worker_pids = {str(pool.pid(w)) for w in WORKERS}
     files = list(Path(pool.settings.multiproc_dir).glob("*.db"))

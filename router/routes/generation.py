@@ -25,6 +25,7 @@ from router.openai_types import ResponseFormat, Usage
 from router.routing_metrics import observe_placement
 from router.state import RouterState
 from router.tokenization import TokenizerLoadError
+from router.tool_calls import ToolCallStream
 from shared.block_hash import CacheNamespace, index_members
 from shared.canary_check import CanaryMismatch
 from shared.metrics import ADMISSION_REFUSED, REQUEST_DECODE_TOK_S, REQUEST_TTFT_MS
@@ -50,8 +51,21 @@ class _Progress:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     logprobs_sent: int = 0
     chars: int = 0  # characters of completion text so far (the legacy API's text_offset)
+    # A chat request with tools, on a template whose tool-call format is known: makes the
+    # splitter of its text into content and tool calls (a fresh one per attempt).
+    tool_streams: Callable[[], ToolCallStream] | None = None
+    tool_stream: ToolCallStream | None = None
 
-    def on_event(self, ev: StreamEvent) -> None:
+    def __post_init__(self) -> None:
+        self.tool_stream = self.tool_streams() if self.tool_streams else None
+
+    @property
+    def tool_calls(self) -> list[dict[str, Any]]:
+        return self.tool_stream.calls if self.tool_stream is not None else []
+
+    def on_event(self, ev: StreamEvent) -> tuple[str, list[dict[str, Any]]]:
+        """Fold one event in; returns the content text and the tool calls it completes (a
+        `done` flushes what the tool-call splitter held)."""
         now = time.time()
         if ev.kind == "start":  # an attempt begins: a lost one's text (never sent) is dropped
             self.text.clear()
@@ -59,16 +73,24 @@ class _Progress:
             self.logprobs_sent = self.chars = 0
             self.worker_id = ev.worker_id or ""
             self.usage.cached_tokens = ev.cached_tokens
+            self.__post_init__()
         elif ev.kind == "delta":
             if ev.logprobs:
                 self.logprobs.extend(from_event(ev.token_ids, ev.logprobs, self.chars))
-            self.text.append(ev.text)
             self.chars += len(ev.text)
+            stream = self.tool_stream
+            text, calls = (ev.text, []) if stream is None else stream.feed(ev.text)
+            self.text.append(text)
             if self.first_token_at is None:
                 self.first_token_at = now
                 REQUEST_TTFT_MS.observe(max(0.0, (now - self.gen.enqueued_at) * 1000))
+            return text, calls
         elif ev.kind == "done":
+            text, calls = ("", []) if self.tool_stream is None else self.tool_stream.finish()
+            self.text.append(text)
             self.finish_reason = ev.finish_reason or "stop"
+            if self.tool_calls and self.finish_reason == "stop":
+                self.finish_reason = "tool_calls"
             self.usage = Usage(
                 prompt_tokens=ev.prompt_tokens or len(self.gen.prompt_tokens),
                 completion_tokens=ev.completion_tokens,
@@ -79,6 +101,8 @@ class _Progress:
                 elapsed = now - self.first_token_at
                 if elapsed > 0:
                     REQUEST_DECODE_TOK_S.observe((ev.completion_tokens - 1) / elapsed)
+            return text, calls
+        return "", []
 
 
 def error_for(ev: StreamEvent) -> APIError:
@@ -148,9 +172,11 @@ async def _chunks(
                 yield _sse(error_for(ev).body())
                 yield _sse("[DONE]")
                 return
-            progress.on_event(ev)
-            if ev.kind == "delta" and ev.text:
-                yield chunk(fmt.chunk(ev.text, logprobs=_unsent_logprobs(renderer, progress)))
+            sent_calls = len(progress.tool_calls)
+            text, calls = progress.on_event(ev)
+            if text or calls:
+                lp = _unsent_logprobs(renderer, progress)
+                yield chunk(fmt.chunk(text, logprobs=lp, tool_calls=calls, first_index=sent_calls))
             if ev.kind == "done":
                 last = _unsent_logprobs(renderer, progress)
                 yield chunk(fmt.chunk("", progress.finish_reason, logprobs=last))
@@ -230,18 +256,21 @@ async def respond(
     fmt: ResponseFormat,
     stream: bool,
     include_usage: bool,
+    tool_streams: Callable[[], ToolCallStream] | None = None,
 ) -> Response:
-    """Relay a request already admitted and enqueued (admit_and_submit)."""
+    """Relay a request already admitted and enqueued (admit_and_submit); `tool_streams`: a
+    chat request's tool-call parsing (router.tool_calls)."""
     renderer = None
     if gen.logprobs is not None:
         renderer = await anyio.to_thread.run_sync(_logprob_renderer, state, gen.model, fmt.chat)
     events = state.dispatcher.events(gen, request.is_disconnected, streamed=stream)
-    progress = _Progress(gen)
+    progress = _Progress(gen, tool_streams=tool_streams)
     if not stream:
         async with aclosing(events):
             await _collect(events, progress)
         logprobs = renderer.render(progress.logprobs) if renderer is not None else None
-        body = fmt.body("".join(progress.text), progress.finish_reason, progress.usage, logprobs)
+        text = "".join(progress.text)
+        body = fmt.body(text, progress.finish_reason, progress.usage, logprobs, progress.tool_calls)
         return JSONResponse(body, headers=_served_by(progress.worker_id))
     # Wait for the first event before answering 200, so an early failure keeps its status code.
     first = await anext(events, None)

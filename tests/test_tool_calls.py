@@ -1,0 +1,336 @@
+"""Chat for tools and agents: every role, `tools` / `tool_choice` / `chat_template_kwargs` reaching
+the chat template, and tool calls parsed from the output (router.tool_calls) into `tool_calls`.
+
+The tiny model has random weights and a 1024-token vocabulary with no tool-call tokens, and a
+static logit_bias forces one token, not a sequence: it cannot be made to write a tool call. So
+the parsing is tested on mlx-lm's real parsers with real text, and end to end through a router
+whose worker the test plays (tests.test_router_relay), writing a tool call as text deltas split
+mid-marker; a real pool shows the template rendering tools, roles and template variables.
+"""
+
+# The relay fixtures are imported by name and taken as arguments of the same name.
+# ruff: noqa: F811
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from router.tool_calls import ToolCallStream, infer_parser_name, load_parser
+from shared.wire import StreamEvent
+from tests.pool_fixture import running_pool
+from tests.test_router_relay import (  # noqa: F401  (fixtures)
+    hf,
+    model_id,
+    play,
+    pool,
+    post,
+    r,
+    router_url,
+    sse_lines,
+    take_job,
+)
+
+# A Qwen-style template: tools in a system block, calls as <tool_call>{json}</tool_call>
+# (mlx-lm infers its json_tools parser from it), tool results with their call id, a variable.
+TOOLS_TEMPLATE = (
+    "{%- if greeting is defined %}{{ greeting }}\n{% endif %}"
+    "{%- if tools %}<|im_start|>system\n# Tools\n"
+    "{%- for tool in tools %}\n{{ tool.function.name }}: {{ tool | tojson }}{%- endfor %}\n"
+    'Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n'
+    "{%- endif %}"
+    "{%- for message in messages %}{{ '<|im_start|>' + message.role + '\\n' }}"
+    "{%- if message.content %}{{ message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls or [] %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    '<tool_call>{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}'
+    "</tool_call>{%- endfor %}"
+    "{%- if message.role == 'tool' %} [{{ message.tool_call_id }}]{%- endif %}<|im_end|>\n"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
+
+# A multi-turn tool conversation exactly as the OpenAI SDK sends it back.
+SDK_TURNS: list[dict[str, Any]] = [
+    {"role": "developer", "content": "Use tools."},
+    {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+]
+
+
+def as_template_sees(turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages the router renders: developer as system (the template has no such role),
+    text parts joined, null content as "", arguments as a JSON object."""
+    out = []
+    for m in turns:
+        m = dict(m)
+        if m["role"] == "developer":
+            m["role"] = "system"
+        if isinstance(m.get("content"), list):
+            m["content"] = "".join(p["text"] for p in m["content"])
+        if m.get("content") is None:
+            m["content"] = ""
+        if "tool_calls" in m:
+            m["tool_calls"] = [
+                {**c, "function": {**c["function"],
+                                   "arguments": json.loads(c["function"]["arguments"])}}
+                for c in m["tool_calls"]
+            ]  # fmt: skip
+        out.append(m)
+    return out
+
+
+def json_stream(tools: list[dict[str, Any]] | None = None) -> ToolCallStream:
+    parser = load_parser("json_tools")
+    assert parser is not None
+    return ToolCallStream(parser, tools)
+
+
+def feed_all(stream: ToolCallStream, pieces: list[str]) -> tuple[str, list[dict[str, Any]]]:
+    content, calls = [], []
+    for piece in [*pieces, None]:
+        text, new = stream.finish() if piece is None else stream.feed(piece)
+        content.append(text)
+        calls.extend(new)
+    return "".join(content), calls
+
+
+# --- the parser, on mlx-lm's real parsers -------------------------------------------------------
+
+
+def test_template_picks_mlx_lm_parser(hf: Any) -> None:
+    assert infer_parser_name(TOOLS_TEMPLATE) == "json_tools"
+    assert infer_parser_name(hf.chat_template, hf.get_vocab()) is None  # the tiny model's own
+    assert infer_parser_name("{{ '<tool_call>\\n<function=' }}") == "qwen3_coder"
+
+
+def test_router_loads_parsers_without_mlx() -> None:
+    code = (
+        "import sys; from router.tool_calls import load_parser\n"
+        "for name in ('json_tools', 'qwen3_coder', 'laguna', 'mistral'):\n"
+        "    assert load_parser(name) is not None, name\n"
+        "assert load_parser('no_such_parser') is None\n"
+        "assert not [m for m in sys.modules if m == 'mlx' or m.startswith(('mlx.', 'mlx_lm'))]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 1000])
+def test_stream_splits_content_and_calls(size: int) -> None:
+    text = (
+        'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+        '</tool_call><tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}'
+        "</tool_call> Done <tool"
+    )
+    pieces = [text[i : i + size] for i in range(0, len(text), size)]
+    content, calls = feed_all(json_stream(), pieces)
+    assert content == "Let me check.  Done <tool"
+    assert [c["function"] for c in calls] == [
+        {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"name": "get_weather", "arguments": '{"city": "Rome"}'},
+    ]
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+
+
+def test_marker_text_is_never_content_while_streaming() -> None:
+    stream = json_stream()
+    assert stream.feed("Hi <tool_") == ("Hi ", [])
+    assert stream.feed('call>{"name": "f", ') == ("", [])
+    text, calls = stream.feed('"arguments": {}}</tool_call>')
+    assert text == "" and calls[0]["function"] == {"name": "f", "arguments": "{}"}
+
+
+def test_unparsable_or_open_call_is_content() -> None:
+    bad = "<tool_call>not json</tool_call>"
+    assert feed_all(json_stream(), [bad, " ok"]) == (bad + " ok", [])
+    # Cut off by max_tokens: an open call parses if it is whole, else it is content.
+    content, calls = feed_all(json_stream(), ['<tool_call>{"name": "f", "arguments": {}}'])
+    assert content == "" and calls[0]["function"]["name"] == "f"
+    assert feed_all(json_stream(), ['<tool_call>{"name": "f"']) == ('<tool_call>{"name": "f"', [])
+
+
+def test_qwen3_coder_types_arguments_by_the_tools() -> None:
+    parser = load_parser("qwen3_coder")
+    assert parser is not None
+    text = (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+    )
+    content, calls = feed_all(ToolCallStream(parser, [WEATHER]), [text])
+    assert content == ""
+    assert calls[0]["function"]["name"] == "get_weather"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris", "days": 3}
+
+
+# --- through the router, the test playing the worker --------------------------------------------
+
+CALL_TEXT = 'Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+def call_events(prompt_len: int, text: str = CALL_TEXT) -> list[StreamEvent]:
+    cut = text.index("<tool_call>") + 4  # a delta ends inside the start marker
+    return [
+        StreamEvent(kind="start", worker_id="w1", prompt_tokens=prompt_len),
+        StreamEvent(kind="delta", text=text[:cut], token_ids=[1]),
+        StreamEvent(kind="delta", text=text[cut:-5], token_ids=[2]),
+        StreamEvent(kind="delta", text=text[-5:], token_ids=[3]),
+        StreamEvent(kind="done", finish_reason="stop", prompt_tokens=prompt_len,
+                    completion_tokens=3),
+    ]  # fmt: skip
+
+
+def tools_body(model_id: str, **extra: Any) -> dict[str, Any]:
+    return {"model": model_id, "messages": SDK_TURNS, "tools": [WEATHER],
+            "chat_template": TOOLS_TEMPLATE, **extra}  # fmt: skip
+
+
+def test_relay_renders_tools_and_parses_the_call(
+    router_url: str, r: redis.Redis, pool: ThreadPoolExecutor, hf: Any, model_id: str
+) -> None:
+    body = tools_body(model_id, tool_choice="auto", chat_template_kwargs={"greeting": "Hello!"})
+    fut = pool.submit(post, router_url, "/v1/chat/completions", body)
+    _, req = take_job(r)
+    text = hf.apply_chat_template(as_template_sees(SDK_TURNS), tools=[WEATHER],
+                                  chat_template=TOOLS_TEMPLATE, tokenize=False,
+                                  add_generation_prompt=True, greeting="Hello!")  # fmt: skip
+    assert text.startswith("Hello!\n") and "get_weather: {" in text and "sunny [call_1]" in text
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
+    assert "<|im_start|>system\nUse tools." in text
+    assert req.prompt_tokens == hf.encode(text, add_special_tokens=False)
+    play(r, req, *call_events(len(req.prompt_tokens)))
+    resp = fut.result(15)
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Sure."
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+
+def test_relay_streams_tool_call_deltas(
+    router_url: str, r: redis.Redis, pool: ThreadPoolExecutor, model_id: str
+) -> None:
+    body = tools_body(model_id, stream=True)
+    fut: Future[list[str]] = pool.submit(sse_lines, router_url, "/v1/chat/completions", body)
+    _, req = take_job(r)
+    play(r, req, *call_events(len(req.prompt_tokens), CALL_TEXT.removeprefix("Sure.")))
+    lines = fut.result(15)
+    assert lines[-1] == "data: [DONE]"
+    deltas = [json.loads(x.removeprefix("data: "))["choices"][0] for x in lines[:-1]]
+    content = "".join(d["delta"].get("content") or "" for d in deltas)
+    assert content == ""  # nothing of the call's text streams as content
+    calls = [c for d in deltas for c in d["delta"].get("tool_calls", [])]
+    assert len(calls) == 1 and calls[0]["index"] == 0
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert deltas[-1]["finish_reason"] == "tool_calls"
+
+
+def test_tool_choice_none_leaves_tools_out(
+    router_url: str, r: redis.Redis, pool: ThreadPoolExecutor, hf: Any, model_id: str
+) -> None:
+    fut = pool.submit(post, router_url, "/v1/chat/completions",
+                      tools_body(model_id, tool_choice="none"))  # fmt: skip
+    _, req = take_job(r)
+    text = hf.apply_chat_template(as_template_sees(SDK_TURNS), chat_template=TOOLS_TEMPLATE,
+                                  tokenize=False, add_generation_prompt=True)  # fmt: skip
+    assert req.prompt_tokens == hf.encode(text, add_special_tokens=False)
+    play(r, req, *call_events(len(req.prompt_tokens)))
+    choice = fut.result(15).json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] == CALL_TEXT
+    assert "tool_calls" not in choice["message"]
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+        ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+        ({"messages": [{"role": "assistant", "content": None}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+         "messages[0].tool_calls"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+        ({"tools": {"type": "function"}}, "tools"),
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]},
+         "tools.0.function.name"),
+        ({"tools": [{"type": "retrieval"}]}, "tools.0.type"),
+        ({"tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice"),
+        ({"tools": None, "tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),  # not enforceable: refused, not ignored
+        ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+         "tool_choice"),
+        ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+        ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
+    ],
+)  # fmt: skip
+def test_bad_tool_input_is_a_400_naming_the_param(
+    router_url: str, model_id: str, change: dict[str, Any], param: str
+) -> None:
+    body = {**tools_body(model_id), **change}
+    resp = post(router_url, "/v1/chat/completions", body)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param
+
+
+# --- a real pool ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real_pool(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    env = {"MLXCEL_TRUST_REQUEST_CHAT_TEMPLATE": "true"}
+    with running_pool(tiny_model_dir, tmp_path_factory.mktemp("tools"), env=env) as p:
+        yield p
+
+
+def test_pool_serves_a_tool_conversation(real_pool: Any, hf: Any, model_id: str) -> None:
+    def ask(**extra: Any) -> dict[str, Any]:
+        body = {"model": model_id, "messages": SDK_TURNS, "chat_template": TOOLS_TEMPLATE,
+                "max_tokens": 4, "temperature": 0, **extra}  # fmt: skip
+        resp = httpx.post(f"{real_pool.url}/v1/chat/completions", json=body, timeout=60)
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    plain, with_tools = ask(), ask(tools=[WEATHER], chat_template_kwargs={"greeting": "Hi"})
+    text = hf.apply_chat_template(as_template_sees(SDK_TURNS), tools=[WEATHER],
+                                  chat_template=TOOLS_TEMPLATE, tokenize=False,
+                                  add_generation_prompt=True, greeting="Hi")  # fmt: skip
+    expected = len(hf.encode(text, add_special_tokens=False))
+    assert with_tools["usage"]["prompt_tokens"] == expected
+    assert plain["usage"]["prompt_tokens"] < expected
+    for out in (plain, with_tools):
+        choice = out["choices"][0]
+        assert choice["finish_reason"] in ("stop", "length")
+        assert isinstance(choice["message"]["content"], str)
