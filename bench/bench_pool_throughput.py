@@ -47,6 +47,7 @@ from common import (
     table,
     write_json,
 )
+from results import Results
 
 from shared.config import load_settings
 
@@ -272,6 +273,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     machine = machine_line()
+    results = Results("pool_throughput")
     print(f"# {machine}", flush=True)
     print(f"# {LOCK_HINT}", file=sys.stderr)
     model_dir = bench_model_dir()
@@ -294,8 +296,22 @@ def main(argv: list[str] | None = None) -> int:
         rows = [summarize(c, run_level(sides, c, args.max_tokens, seed=10_000 * (i + 1)))
                 for i, c in enumerate(args.levels)]  # fmt: skip
     print_report(rows, args.max_tokens)
-    write_json(args.json, {"machine": machine, "max_tokens": args.max_tokens, "rows": rows})
+    data = {"machine": machine, "max_tokens": args.max_tokens, "rows": rows}
+    write_json(args.json, data)
+    results.finish(data, lambda ax: plot_throughput(ax, rows, machine))
     return 0
+
+
+def plot_throughput(ax: Any, rows: list[dict[str, Any]], machine: str) -> None:
+    """Aggregate tok/s against concurrency, one line a side."""
+    xs = [r["concurrency"] for r in rows]
+    for side, label in (("engine", "in-process engine"), ("pool", "pool"),
+                        ("server", "mlx_lm.server")):  # fmt: skip
+        ax.plot(xs, [r[f"{side}_tps"] for r in rows], marker="o", label=label)
+    ax.set(xlabel="concurrent streams", ylabel="aggregate tokens/s", xscale="log",
+           title=f"throughput vs concurrency\n{machine}")  # fmt: skip
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.legend()
 
 
 if __name__ == "__main__":

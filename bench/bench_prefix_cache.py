@@ -43,6 +43,7 @@ from common import (
     text_of_tokens,
     write_json,
 )
+from results import Results
 
 GOAL_RATIO = 20.0
 SUFFIX_TOKENS = 24
@@ -311,6 +312,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     plan = QUICK if args.quick else FULL
+    results = Results("prefix_cache")
     machine = machine_line()
     print(f"# {machine}", flush=True)
     print(f"# {LOCK_HINT}", file=sys.stderr)
@@ -328,10 +330,21 @@ def main(argv: list[str] | None = None) -> int:
     print_ttft(ttft, plan)
     print_chat(chat, plan)
     print_decode(decode, plan)
-    write_json(
-        args.json, {"machine": machine, "plan": plan, "ttft": ttft, "chat": chat, "decode": decode}
-    )
+    data = {"machine": machine, "plan": plan, "ttft": ttft, "chat": chat, "decode": decode}
+    write_json(args.json, data)
+    results.finish(data, lambda ax: plot_ttft(ax, ttft, machine))
     return 0
+
+
+def plot_ttft(ax: Any, ttft: dict[str, dict[str, Any]], machine: str) -> None:
+    """TTFT cold and warm (a cache hit) per side, side by side."""
+    names = list(ttft)
+    xs = range(len(names))
+    ax.bar([x - 0.2 for x in xs], [ttft[n]["cold_ms"] for n in names], 0.4, label="cold")
+    ax.bar([x + 0.2 for x in xs], [ttft[n]["warm_ms"] for n in names], 0.4, label="warm (hit)")
+    ax.set_xticks(list(xs), names)
+    ax.set(ylabel="TTFT ms (median)", title=f"TTFT cold vs warm\n{machine}")
+    ax.legend()
 
 
 if __name__ == "__main__":

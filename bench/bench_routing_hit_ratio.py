@@ -79,6 +79,7 @@ from typing import Any
 import aiohttp
 import redis
 from common import LOCK_HINT, machine_line, table, tiny_model_dir, write_json
+from results import Results
 
 from shared import keys
 from shared.liveness import min_alive_pttl_ms
@@ -466,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = Plan.of(args)
     if not plan.policies:
         sys.exit(f"--policies: none of {', '.join(POLICIES)}")
+    results = Results("routing_hit_ratio")
     print(f"# {machine_line()}", flush=True)
     print(f"# {LOCK_HINT}", file=sys.stderr)
     model_dir = tiny_model_dir()
@@ -498,10 +500,27 @@ def main(argv: list[str] | None = None) -> int:
           "streamed chunk with a choice; warm-up excluded; decisions: mlxcel:routing:stats "
           "during the workload)")  # fmt: skip
     line, met = verdict(runs)
-    write_json(args.json, {"plan": plan, "goal_met": met, "ideal_cached": ideal,
-                           "prompt_tokens": prompt_total, "runs": runs})  # fmt: skip
+    data = {"plan": plan, "goal_met": met, "ideal_cached": ideal, "prompt_tokens": prompt_total,
+            "runs": runs}  # fmt: skip
+    write_json(args.json, data)
     print(line)
+    results.finish({k: v for k, v in data.items() if k != "runs"} | {
+        "rows": [{"workers": r.workers, "policy": r.policy, "hit_ratio": r.hit_ratio()}
+                 for r in runs]}, lambda ax: plot_hit_ratio(ax, runs))  # fmt: skip
     return 0
+
+
+def plot_hit_ratio(ax: Any, runs: list[Run]) -> None:
+    """Hit ratio per routing policy, grouped by worker count."""
+    counts = sorted({r.workers for r in runs})
+    width = 0.8 / len(POLICIES)
+    for i, policy in enumerate(POLICIES):
+        ys = [next((r.hit_ratio() for r in runs if r.workers == n and
+                    (r.policy == policy or n == 1)), 0.0) for n in counts]  # fmt: skip
+        ax.bar([j + (i - 1) * width for j in range(len(counts))], ys, width, label=policy)
+    ax.set_xticks(range(len(counts)), [f"{n} worker(s)" for n in counts])
+    ax.set(ylabel="cached / prompt tokens", ylim=(0, 1), title="hit ratio per routing policy")
+    ax.legend()
 
 
 if __name__ == "__main__":
