@@ -13,7 +13,7 @@ import math
 import re
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from router.errors import APIError
@@ -34,6 +34,11 @@ MAX_STOP_SEQUENCES = 16
 # tokenizes to (no tokenizer's tokens are this long on average): refused before tokenizing.
 MAX_CHARS_PER_TOKEN = 64
 MAX_MESSAGES = 2048
+# Choices one request may ask for: n per prompt, times the prompts of a completions list. Each
+# choice is its own sequence in a worker's batch (and its own reservation at admission).
+MAX_CHOICES = 16
+MAX_PROMPTS = 16
+MAX_TOTAL_CHOICES = 64
 
 
 class Outcome(enum.StrEnum):
@@ -58,7 +63,9 @@ OUTCOME_ERRORS: dict[Outcome, tuple[int, str, str | None]] = {
 @dataclass
 class Admission:
     outcome: Outcome
-    request: GenerationRequest | None = None
+    request: GenerationRequest | None = None  # the first choice's
+    # Every choice, in OpenAI's index order (prompt by prompt, n each); [request] when one.
+    requests: list[GenerationRequest] = field(default_factory=list)
     message: str = ""
     param: str | None = None
     retry_after_s: int | None = None
@@ -96,8 +103,8 @@ def _check_common(body: CompletionRequest | ChatCompletionRequest, ctx: Admissio
             f"The model '{body.model}' does not exist; this pool serves '{ctx.model_id}'.",
             "model",
         )
-    if body.n not in (None, 1):
-        raise _invalid("Only n=1 is supported.", "n")
+    if body.n is not None and not 1 <= body.n <= MAX_CHOICES:
+        raise _invalid(f"'n' must be in [1, {MAX_CHOICES}], got {body.n}.", "n")
     if body.seed is not None and not 0 <= body.seed <= MAX_SEED:
         raise _invalid(f"'seed' must be an integer in [0, 2**63 - 1], got {body.seed}.", "seed")
 
@@ -225,12 +232,17 @@ def _max_tokens(
     return wanted
 
 
-def _completion_tokens(body: CompletionRequest, tok: PromptTokenizer) -> list[int]:
+def _completion_prompts(body: CompletionRequest, tok: PromptTokenizer) -> list[list[int]]:
+    """The token ids of each prompt: a string or token ids, or a list of either (a batch)."""
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:
-            raise _invalid("Only one prompt per request is supported.", "prompt")
-        prompt = prompt[0]
+        if len(prompt) > MAX_PROMPTS:
+            raise _invalid(f"'prompt' may hold at most {MAX_PROMPTS} prompts.", "prompt")
+        return [_prompt_tokens(p, tok) for p in prompt]
+    return [_prompt_tokens(prompt, tok)]
+
+
+def _prompt_tokens(prompt: str | list[int], tok: PromptTokenizer) -> list[int]:
     if isinstance(prompt, str):
         _fits_before_tokenizing(len(prompt), "prompt", tok)
         tokens = tok.encode(prompt) if prompt else []
@@ -241,6 +253,16 @@ def _completion_tokens(body: CompletionRequest, tok: PromptTokenizer) -> list[in
     if not tokens:
         raise _invalid("'prompt' must not be empty.", "prompt")
     return tokens
+
+
+def _choices(first: GenerationRequest, n: int) -> list[GenerationRequest]:
+    """n sequences of one prompt: the first as built, the others under their own request ids
+    and, when seeded, seeds of their own (seed + i), so sampled choices differ reproducibly."""
+    out = [first]
+    for i in range(1, n):
+        seed = None if first.seed is None else (first.seed + i) % (MAX_SEED + 1)
+        out.append(replace(first, request_id=uuid.uuid4().hex, seed=seed))
+    return out
 
 
 def _fits_before_tokenizing(chars: int, param: str, tok: PromptTokenizer) -> None:
@@ -386,11 +408,17 @@ def admit_completion(body: CompletionRequest, ctx: AdmissionContext) -> Admissio
         _check_refused_fields(body)
         _stop_list(body.stop)
         controls = _sampling_controls(body, ctx.tokenizer)
-        tokens = _completion_tokens(body, ctx.tokenizer)
+        prompts = _completion_prompts(body, ctx.tokenizer)
+        n = body.n or 1
+        if len(prompts) * n > MAX_TOTAL_CHOICES:
+            raise _invalid(f"{len(prompts)} prompts x n={n} is more than {MAX_TOTAL_CHOICES} "
+                           "choices.", "n")  # fmt: skip
         param, requested = _requested_max_tokens(body)
-        max_tokens = _max_tokens(requested, param, len(tokens), "prompt", ctx)
-        gen = _build(ctx.model_id, body, tokens, max_tokens, "", controls)
-        return Admission(Outcome.ADMIT, gen)
+        gens: list[GenerationRequest] = []
+        for tokens in prompts:
+            max_tokens = _max_tokens(requested, param, len(tokens), "prompt", ctx)
+            gens += _choices(_build(ctx.model_id, body, tokens, max_tokens, "", controls), n)
+        return Admission(Outcome.ADMIT, gens[0], requests=gens)
     except _Refused as refused:
         return refused.admission
 
@@ -405,6 +433,6 @@ def admit_chat(body: ChatCompletionRequest, ctx: AdmissionContext) -> Admission:
         param, requested = _requested_max_tokens(body)
         max_tokens = _max_tokens(requested, param, len(tokens), "messages", ctx)
         gen = _build(ctx.model_id, body, tokens, max_tokens, signature, controls)
-        return Admission(Outcome.ADMIT, gen)
+        return Admission(Outcome.ADMIT, gen, requests=_choices(gen, body.n or 1))
     except _Refused as refused:
         return refused.admission

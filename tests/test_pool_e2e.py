@@ -8,6 +8,7 @@ in flight at once, streamed and not, completions and chat.
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -175,3 +176,49 @@ def test_what_openai_clients_leave_out_or_send_as_null_takes_the_defaults(pool) 
     assert one.status_code == 200 and one.json()["id"] == "mlxcel-tiny-s0"
     missing = httpx.get(f"{pool.url}/v1/models/nope", timeout=10)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_n_choices_and_prompt_lists_run_as_sequences_of_their_own(pool) -> None:
+    """`n` and a list of prompts: each choice its own sequence, under its `index` (prompt by
+    prompt, n each); greedy choices equal the lone request's text; a seeded choice i samples as
+    a lone request with seed + i; the usage counts each prompt once."""
+    alone = _complete(pool, prompt="The quick brown fox", max_tokens=6, temperature=0)
+    many = _complete(pool, prompt="The quick brown fox", max_tokens=6, temperature=0, n=3)
+    assert [c["index"] for c in many["choices"]] == [0, 1, 2]
+    assert {c["text"] for c in many["choices"]} == {alone["choices"][0]["text"]}
+    assert many["usage"]["prompt_tokens"] == alone["usage"]["prompt_tokens"]
+    assert many["usage"]["completion_tokens"] == 3 * alone["usage"]["completion_tokens"]
+
+    sampled = _complete(pool, prompt="1, 2, 3, 4, 5,", max_tokens=8, temperature=1.0, seed=7, n=2)
+    second = _complete(pool, prompt="1, 2, 3, 4, 5,", max_tokens=8, temperature=1.0, seed=8)
+    assert sampled["choices"][1]["text"] == second["choices"][0]["text"]
+
+    other = _complete(pool, prompt="import numpy as np\n", max_tokens=6, temperature=0)
+    both = _complete(pool, prompt=["The quick brown fox", "import numpy as np\n"], max_tokens=6,
+                     temperature=0, n=2)  # fmt: skip
+    texts = [c["text"] for c in sorted(both["choices"], key=lambda c: c["index"])]
+    assert texts == [alone["choices"][0]["text"]] * 2 + [other["choices"][0]["text"]] * 2
+    assert both["usage"]["prompt_tokens"] == (
+        alone["usage"]["prompt_tokens"] + other["usage"]["prompt_tokens"])  # fmt: skip
+
+    body = {"model": "mlxcel-tiny-s0", "prompt": "The quick brown fox", "max_tokens": 6,
+            "temperature": 0, "n": 2, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{pool.url}/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        lines = [ln for ln in resp.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
+    chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+    streamed = {0: "", 1: ""}
+    for c in chunks:
+        for choice in c["choices"]:
+            streamed[choice["index"]] += choice["text"]
+    assert streamed == {0: alone["choices"][0]["text"], 1: alone["choices"][0]["text"]}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == (
+        2 * alone["usage"]["completion_tokens"])  # fmt: skip
+    chat = httpx.post(f"{pool.url}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0,
+        "n": 2})  # fmt: skip
+    assert chat.status_code == 200, chat.text
+    messages = chat.json()["choices"]
+    assert [m["index"] for m in messages] == [0, 1]
+    assert messages[0]["message"]["content"] == messages[1]["message"]["content"]

@@ -164,9 +164,10 @@ def test_prompt_too_long_for_the_context(client: httpx.Client, model_id: str) ->
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/completions", {"prompt": ""}, "prompt"),
         ("/v1/completions", {"prompt": []}, "prompt"),
-        ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+        ("/v1/completions", {"prompt": ["a"] * 17}, "prompt"),
         ("/v1/completions", {"prompt": [10**7]}, "prompt"),
-        ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
+        ("/v1/completions", {"prompt": "hi", "n": 17}, "n"),
+        ("/v1/completions", {"prompt": ["a"] * 5, "n": 13}, "n"),  # 65 choices
         ("/v1/completions", {"prompt": "hi", "stop": ["s"] * 17}, "stop"),
         ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
         ("/v1/completions", {"prompt": "hi", "temperature": 2.5}, "temperature"),
@@ -242,7 +243,7 @@ def test_lone_surrogates_in_a_chat_are_400(
 
 def test_a_surrogate_pair_is_text(client: httpx.Client, model_id: str) -> None:
     # "\ud83d\ude00" is one character (U+1F600) in JSON; only an unpaired half is refused.
-    body = {"model": model_id, "prompt": "hi", "stop": "\U0001f600", "n": 2}
+    body = {"model": model_id, "prompt": "hi", "stop": "\U0001f600", "n": 17}
     text = json.dumps(body)
     assert "\\ud83d\\ude00" in text
     resp = client.post(
@@ -271,7 +272,7 @@ def test_bad_sampling_values_are_400(
 
 def test_sixteen_stop_sequences_are_allowed(client: httpx.Client, model_id: str) -> None:
     # 16 passes stop's check, so the request fails later, on n.
-    body = {"model": model_id, "prompt": "hi", "stop": [f"s{i}" for i in range(16)], "n": 2}
+    body = {"model": model_id, "prompt": "hi", "stop": [f"s{i}" for i in range(16)], "n": 17}
     assert_error(client.post("/v1/completions", json=body), 400, "n")
 
 

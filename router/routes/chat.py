@@ -21,13 +21,13 @@ router = APIRouter()
 async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, state: StateDep
 ) -> Response:
-    gen = await admit_and_submit(admit_chat, body, state)
+    gens = await admit_and_submit(admit_chat, body, state)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    fmt = ResponseFormat(chat=True, model=gen.model)
+    fmt = ResponseFormat(chat=True, model=gens[0].model)
     tool_streams = None
     if body.tools and body.tool_choice != "none":
-        tool_streams = await anyio.to_thread.run_sync(_tool_streams, state, body, gen.model)
-    return await respond(request, state, gen, fmt, bool(body.stream), include_usage, tool_streams)
+        tool_streams = await anyio.to_thread.run_sync(_tool_streams, state, body, gens[0].model)
+    return await respond(request, state, gens, fmt, bool(body.stream), include_usage, tool_streams)
 
 
 def _tool_streams(

@@ -15,7 +15,7 @@ router = APIRouter()
 
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request, state: StateDep) -> Response:
-    gen = await admit_and_submit(admit_completion, body, state)
+    gens = await admit_and_submit(admit_completion, body, state)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    fmt = ResponseFormat(chat=False, model=gen.model)
-    return await respond(request, state, gen, fmt, bool(body.stream), include_usage)
+    fmt = ResponseFormat(chat=False, model=gens[0].model)
+    return await respond(request, state, gens, fmt, bool(body.stream), include_usage)

@@ -4,6 +4,7 @@ into an OpenAI response (one JSON body, or SSE chunks). Shared by /v1/completion
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -17,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from router.admission import Admission, AdmissionContext, Outcome
-from router.admission_ledger import Refusal
+from router.admission_ledger import Placement, Refusal
 from router.dispatch import TIMEOUT, WORKER_LOST
 from router.errors import APIError
 from router.logprobs import LogprobRenderer, TokenLogprob, from_event, token_table
@@ -157,8 +158,16 @@ async def _chunks(
     progress: _Progress,
     include_usage: bool,
     renderer: LogprobRenderer | None = None,
+    index: int = 0,
+    final: bool = True,
 ) -> AsyncIterator[bytes]:
+    """One choice's SSE chunks; `final`: it is the response's only choice, so it also sends the
+    usage chunk and [DONE] (with several, _merged does, once)."""
+
     def chunk(body: dict[str, Any]) -> bytes:
+        if index:
+            for choice in body["choices"]:
+                choice["index"] = index
         if include_usage:
             body["usage"] = None  # OpenAI marks every non-final chunk this way
         return _sse(body)
@@ -170,7 +179,8 @@ async def _chunks(
         while ev is not None:
             if ev.kind == "error":
                 yield _sse(error_for(ev).body())
-                yield _sse("[DONE]")
+                if final:
+                    yield _sse("[DONE]")
                 return
             sent_calls = len(progress.tool_calls)
             text, calls = progress.on_event(ev)
@@ -180,9 +190,10 @@ async def _chunks(
             if ev.kind == "done":
                 last = _unsent_logprobs(renderer, progress)
                 yield chunk(fmt.chunk("", progress.finish_reason, logprobs=last))
-                if include_usage:
-                    yield _sse(fmt.usage_chunk(progress.usage))
-                yield _sse("[DONE]")
+                if final:
+                    if include_usage:
+                        yield _sse(fmt.usage_chunk(progress.usage))
+                    yield _sse("[DONE]")
                 return
             ev = await anext(events, None)
 
@@ -192,9 +203,10 @@ B = TypeVar("B")  # a request body
 
 async def admit_and_submit(
     admit: Callable[[B, AdmissionContext], Admission], body: B, state: RouterState
-) -> GenerationRequest:
+) -> list[GenerationRequest]:
     """Admission (validation, tokenization) and the enqueue in ONE trip to a worker thread: a
-    burst of requests reaches the workers sooner than with a thread hop for each."""
+    burst of requests reaches the workers sooner than with a thread hop for each. Returns every
+    choice's request (one unless `n` or a prompt list asks for more)."""
 
     def run() -> Admission:
         model = getattr(body, "model", None) or state.model_id
@@ -213,53 +225,77 @@ async def admit_and_submit(
             return admission
         if req.logprobs is not None:
             token_table(ctx.tokenizer)  # built once per tokenizer, here, before the enqueue
-        # The pool's bound and the worker, decided before anything is enqueued (and before any
-        # 200), from the blocks the prompt hashes to exactly as the worker's cache hashes them.
-        ledger = state.dispatcher.ledger
-        ns = CacheNamespace(req.model, req.adapter_id, req.template_signature)
-        members = index_members(state.hasher.chain(req.prompt_tokens, ns.seed()))
-        placed = ledger.reserve(req.request_id, len(req.prompt_tokens), req.model, members)
-        if isinstance(placed, Refusal):
-            ADMISSION_REFUSED.labels(placed.reason).inc()
-            retry = state.settings.admission.retry_after_s
-            return Admission(Outcome.POOL_BUSY, message=placed.message(), retry_after_s=retry)
-        if not placed.worker_id and req.model != state.model_id:
-            # Only the router's own model waits for a worker in its shared queue; another
-            # model's workers all went away since the catalog saw them.
-            ledger.release_sync(req.request_id, state.dispatcher.sync_redis)
-            return Admission(
-                Outcome.NO_WORKER,
-                retry_after_s=state.settings.admission.retry_after_s,
-                message=f"No live worker serves '{req.model}' now; retry shortly.",
-            )
-        observe_placement(placed)
-        log.info("route request=%s worker=%s outcome=%s predicted_cached=%d prompt=%d cost=%d",
-                 req.request_id, placed.worker_id or "(shared queue)", placed.outcome,
-                 placed.predicted_tokens, len(req.prompt_tokens), placed.cost)  # fmt: skip
+        gens = admission.requests or [req]
+        # Every choice reserved before any is enqueued: a request is admitted whole or not at
+        # all, so a 429 never leaves half its choices running.
+        placed: list[tuple[GenerationRequest, Placement]] = []
+        for gen in gens:
+            refused = _place(state, gen)
+            if isinstance(refused, Admission):
+                for done, _ in placed:
+                    state.dispatcher.ledger.release_sync(done.request_id,
+                                                         state.dispatcher.sync_redis)  # fmt: skip
+                return refused
+            placed.append((gen, refused))
+        enqueued = 0
         try:
-            state.dispatcher.enqueue(req, placed.worker_id)
+            for gen, where in placed:
+                state.dispatcher.enqueue(gen, where.worker_id)
+                enqueued += 1
         except BaseException:
-            ledger.release_sync(req.request_id, state.dispatcher.sync_redis)
+            for gen, _ in placed[enqueued:]:
+                state.dispatcher.ledger.release_sync(gen.request_id, state.dispatcher.sync_redis)
             raise
         return admission
 
     admission = await anyio.to_thread.run_sync(run)
     if admission.outcome is not Outcome.ADMIT or admission.request is None:
         raise admission.error()
-    return admission.request
+    return admission.requests or [admission.request]
+
+
+def _place(state: RouterState, req: GenerationRequest) -> Placement | Admission:
+    """The pool's bound and the worker, decided before anything is enqueued (and before any
+    200), from the blocks the prompt hashes to exactly as the worker's cache hashes them; an
+    Admission when refused."""
+    ledger = state.dispatcher.ledger
+    ns = CacheNamespace(req.model, req.adapter_id, req.template_signature)
+    members = index_members(state.hasher.chain(req.prompt_tokens, ns.seed()))
+    placed = ledger.reserve(req.request_id, len(req.prompt_tokens), req.model, members)
+    if isinstance(placed, Refusal):
+        ADMISSION_REFUSED.labels(placed.reason).inc()
+        retry = state.settings.admission.retry_after_s
+        return Admission(Outcome.POOL_BUSY, message=placed.message(), retry_after_s=retry)
+    if not placed.worker_id and req.model != state.model_id:
+        # Only the router's own model waits for a worker in its shared queue; another
+        # model's workers all went away since the catalog saw them.
+        ledger.release_sync(req.request_id, state.dispatcher.sync_redis)
+        return Admission(
+            Outcome.NO_WORKER,
+            retry_after_s=state.settings.admission.retry_after_s,
+            message=f"No live worker serves '{req.model}' now; retry shortly.",
+        )
+    observe_placement(placed)
+    log.info("route request=%s worker=%s outcome=%s predicted_cached=%d prompt=%d cost=%d",
+             req.request_id, placed.worker_id or "(shared queue)", placed.outcome,
+             placed.predicted_tokens, len(req.prompt_tokens), placed.cost)  # fmt: skip
+    return placed
 
 
 async def respond(
     request: Request,
     state: RouterState,
-    gen: GenerationRequest,
+    gens: list[GenerationRequest],
     fmt: ResponseFormat,
     stream: bool,
     include_usage: bool,
     tool_streams: Callable[[], ToolCallStream] | None = None,
 ) -> Response:
-    """Relay a request already admitted and enqueued (admit_and_submit); `tool_streams`: a
-    chat request's tool-call parsing (router.tool_calls)."""
+    """Relay a request already admitted and enqueued (admit_and_submit), one choice a
+    GenerationRequest; `tool_streams`: a chat request's tool-call parsing (router.tool_calls)."""
+    if len(gens) > 1:
+        return await _respond_many(request, state, gens, fmt, stream, include_usage, tool_streams)
+    gen = gens[0]
     renderer = None
     if gen.logprobs is not None:
         renderer = await anyio.to_thread.run_sync(_logprob_renderer, state, gen.model, fmt.chat)
@@ -285,6 +321,111 @@ async def respond(
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                  **_served_by(first.worker_id if first.kind == "start" else "")},
     )  # fmt: skip
+
+
+async def _respond_many(
+    request: Request,
+    state: RouterState,
+    gens: list[GenerationRequest],
+    fmt: ResponseFormat,
+    stream: bool,
+    include_usage: bool,
+    tool_streams: Callable[[], ToolCallStream] | None,
+) -> Response:
+    """Several choices (`n`, a prompt list): each its own sequence and stream, relayed side by
+    side under its `index`; the usage counts each prompt once and every choice's tokens."""
+    renderer = None
+    if gens[0].logprobs is not None:
+        renderer = await anyio.to_thread.run_sync(_logprob_renderer, state, gens[0].model, fmt.chat)
+    progresses = [_Progress(g, tool_streams=tool_streams) for g in gens]
+    streams = [state.dispatcher.events(g, request.is_disconnected, streamed=stream) for g in gens]
+    if not stream:
+
+        async def one(events: AsyncIterator[StreamEvent], progress: _Progress) -> None:
+            async with aclosing(events):
+                await _collect(events, progress)
+
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for events, progress in zip(streams, progresses, strict=True):
+                    tg.create_task(one(events, progress))
+        except* APIError as group:
+            raise group.exceptions[0] from None
+        choices = []
+        for i, p in enumerate(progresses):
+            lp = renderer.render(p.logprobs) if renderer is not None else None
+            one_body = fmt.body("".join(p.text), p.finish_reason, p.usage, lp, p.tool_calls)
+            choice = one_body["choices"][0]
+            choice["index"] = i
+            choices.append(choice)
+        body = fmt.body("", None, _total_usage(progresses))
+        body["choices"] = choices
+        return JSONResponse(body, headers=_served_by(progresses[0].worker_id))
+    firsts: list[StreamEvent] = []
+    for events in streams:  # every choice's first event before the 200, as for one
+        first = await anext(events, None)
+        if first is None or first.kind == "error":
+            for other in streams:
+                await other.aclose()
+            if first is None:
+                raise APIError(CLIENT_CLOSED, "The client closed the request.")
+            raise error_for(first)
+        firsts.append(first)
+    parts = list(zip(firsts, streams, progresses, strict=True))
+    return StreamingResponse(
+        _merged(parts, fmt, include_usage, renderer),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                 **_served_by(firsts[0].worker_id if firsts[0].kind == "start" else "")},
+    )  # fmt: skip
+
+
+async def _merged(
+    parts: list[tuple[StreamEvent, AsyncIterator[StreamEvent], _Progress]],
+    fmt: ResponseFormat,
+    include_usage: bool,
+    renderer: LogprobRenderer | None,
+) -> AsyncIterator[bytes]:
+    """The choices' chunks as they come, then one usage chunk and one [DONE]."""
+    queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+    async def pump(i: int, first: StreamEvent, events: AsyncIterator[StreamEvent],
+                   progress: _Progress) -> None:  # fmt: skip
+        try:
+            async for data in _chunks(first, events, fmt, progress, include_usage, renderer,
+                                      index=i, final=False):  # fmt: skip
+                await queue.put(data)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(i, *part)) for i, part in enumerate(parts)]
+    try:
+        left = len(tasks)
+        while left:
+            data = await queue.get()
+            if data is None:
+                left -= 1
+                continue
+            yield data
+        if include_usage:
+            yield _sse(fmt.usage_chunk(_total_usage([p for _, _, p in parts])))
+        yield _sse("[DONE]")
+    finally:  # the client went away: every choice's stream is let go
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _total_usage(progresses: list[_Progress]) -> Usage:
+    """A prompt's tokens once (its choices share it: one list object), every choice's output."""
+    total, seen = Usage(), set()
+    for p in progresses:
+        if id(p.gen.prompt_tokens) not in seen:
+            seen.add(id(p.gen.prompt_tokens))
+            total.prompt_tokens += p.usage.prompt_tokens
+            total.cached_tokens += p.usage.cached_tokens
+        total.completion_tokens += p.usage.completion_tokens
+    return total
 
 
 def _logprob_renderer(state: RouterState, model: str, chat: bool) -> LogprobRenderer:
