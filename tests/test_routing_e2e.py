@@ -57,9 +57,11 @@ def complete(pool, prompt: list[int], max_tokens: int = 4) -> tuple[str, int]:
 
 def holds(r: redis.Redis, wid: str, prompt: list[int]) -> int:
     """How many of the prompt's leading blocks the worker's index in Redis lists."""
-    epoch = r.hget(keys.worker_info(wid), "epoch").decode()
+    epoch = r.hget(keys.worker_info(wid), "epoch")
+    if epoch is None:  # not registered (yet, or again): it lists nothing
+        return 0
     members = index_members(BlockHasher(16).chain(prompt, CacheNamespace(MODEL).seed()))
-    held = r.smismember(keys.worker_blocks(wid, epoch), members)
+    held = r.smismember(keys.worker_blocks(wid, epoch.decode()), members)
     return next((i for i, h in enumerate(held) if not h), len(held))
 
 
