@@ -32,8 +32,9 @@ log = logging.getLogger(__name__)
 # are decided and reserved together.
 PLACE_LUA = (Path(__file__).with_name("placement.lua")).read_text()
 
-# A request started: its prompt tokens stop waiting, and its load entry follows the worker that
-# took it (a stealing peer, or any worker off the shared queue), lapsing with its reservation.
+# A request started: its prompt tokens stop waiting, its load entry follows the worker that took
+# it (a stealing peer, or any worker off the shared queue), lapsing with its reservation, and the
+# routing counters learn what that worker reused: one round trip.
 STARTED_LUA = """
 redis.call('HDEL', KEYS[1], ARGV[1])
 if KEYS[2] ~= '' then redis.call('HDEL', KEYS[2], ARGV[1]) end
@@ -44,6 +45,11 @@ if KEYS[3] ~= KEYS[4] then
     redis.call('ZADD', KEYS[4], score, ARGV[1])
     redis.call('PEXPIRE', KEYS[4], ARGV[2])
   end
+end
+redis.call('HINCRBY', KEYS[6], 'reused_tokens:' .. ARGV[3], ARGV[4])
+redis.call('HINCRBY', KEYS[6], 'started:' .. ARGV[3], 1)
+if ARGV[5] ~= '' and ARGV[5] ~= ARGV[3] then
+  redis.call('HINCRBY', KEYS[6], 'taken_over:' .. ARGV[3], 1)
 end
 return 1
 """
@@ -188,16 +194,9 @@ class AdmissionLedger:
                 keys=[keys.admission_queued_tokens(),
                       keys.worker_prefill(placed) if placed else "",
                       keys.worker_load(placed) if placed else "", keys.worker_load(worker_id),
-                      keys.admission_inflight()],
-                args=[request_id, keys.ROUTED_TTL_S * 1000],
+                      keys.admission_inflight(), keys.routing_stats()],
+                args=[request_id, keys.ROUTED_TTL_S * 1000, worker_id, cached_tokens, placed],
             )  # fmt: skip
-            async with self.aredis.pipeline(transaction=False) as pipe:
-                stats = keys.routing_stats()
-                pipe.hincrby(stats, f"reused_tokens:{worker_id}", cached_tokens)
-                pipe.hincrby(stats, f"started:{worker_id}", 1)
-                if placed and placed != worker_id:
-                    pipe.hincrby(stats, f"taken_over:{worker_id}", 1)
-                await pipe.execute()
         except redis.RedisError:
             log.warning("could not record the start of %s", request_id, exc_info=True)
 

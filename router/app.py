@@ -102,7 +102,6 @@ async def _build_state(settings: Settings) -> RouterState:
         settings=settings,
         model_dir=model_dir,
         model_id=model_id,
-        admission=admission,
         catalog=ModelCatalog(
             admission, created, sync_redis, hasher, settings.router.tokenizer_copies
         ),  # fmt: skip

@@ -22,7 +22,7 @@ from router.tokenization import TokenizerLoadError, load_tokenizer
 from shared import keys
 from shared.block_hash import BlockHasher, canary
 from shared.canary_check import CanaryMismatch
-from shared.liveness import is_alive
+from shared.liveness import read_roster
 
 log = logging.getLogger(__name__)
 
@@ -85,21 +85,13 @@ class ModelCatalog:
         now = time.monotonic()
         if now - self._live_at < LIVE_CACHE_S:
             return self._live
-        wids = sorted(m.decode() for m in self.r.smembers(keys.workers_roster()))
-        with self.r.pipeline(transaction=False) as pipe:
-            for wid in wids:
-                pipe.pttl(keys.worker_info(wid))
-                pipe.hmget(keys.worker_info(wid), "model", "model_dir", "canary")
-            replies = pipe.execute()
         live: dict[str, LiveModel] = {}
-        for i in range(len(wids)):
-            pttl, (model, model_dir, their_canary) = int(replies[2 * i]), replies[2 * i + 1]
-            if not is_alive(pttl) or model is None:
+        for w in read_roster(self.r, ("model", "model_dir", "canary")):
+            mid = w.info.get("model")
+            if not w.alive or mid is None:
                 continue
-            mid = model.decode()
-            path = model_dir.decode() if model_dir else ""
-            live.setdefault(mid, LiveModel(mid, path, (their_canary or b"").decode(),
-                                           _mtime(path)))  # fmt: skip
+            path = w.info.get("model_dir", "")
+            live.setdefault(mid, LiveModel(mid, path, w.info.get("canary", ""), _mtime(path)))
         self._live, self._live_at = live, now
         return live
 

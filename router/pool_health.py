@@ -10,20 +10,13 @@ from rq import Queue
 from router.cache_stats import read_pool
 from router.state import RouterState
 from shared import keys
+from shared.cache_stats import WorkerCacheSnapshot
 
 
 async def pool_health(state: RouterState) -> tuple[bool, dict[str, Any]]:
     """(healthy, body): healthy means at least one worker is alive."""
     live = [w for w in await read_pool(state.pool_script) if w.alive]
-    sync_redis = state.dispatcher.sync_redis
-    # rq names its own queue keys; build them through rq rather than by hand.
-    worker_queue_keys = [
-        Queue(keys.worker_queue_name(w.worker_id), connection=sync_redis).key for w in live
-    ]
-    async with state.aredis.pipeline(transaction=False) as pipe:
-        for key in (state.queue_key, *worker_queue_keys):
-            pipe.llen(key)
-        depths = await pipe.execute()
+    depths = await queue_depths(state, live)
     body = {
         "status": "ok" if live else "unavailable",
         "model": state.model_id,
@@ -35,6 +28,19 @@ async def pool_health(state: RouterState) -> tuple[bool, dict[str, Any]]:
         ],
     }
     return bool(live), body
+
+
+async def queue_depths(state: RouterState, live: list[WorkerCacheSnapshot]) -> list[int]:
+    """Jobs waiting: in the router's model's shared queue, then in each live worker's own."""
+    sync_redis = state.dispatcher.sync_redis
+    # rq names its own queue keys; build them through rq rather than by hand.
+    worker_queue_keys = [
+        Queue(keys.worker_queue_name(w.worker_id), connection=sync_redis).key for w in live
+    ]
+    async with state.aredis.pipeline(transaction=False) as pipe:
+        for key in (state.queue_key, *worker_queue_keys):
+            pipe.llen(key)
+        return [int(n) for n in await pipe.execute()]
 
 
 def _cache_mode(settings: dict[str, str]) -> dict[str, str]:

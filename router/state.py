@@ -10,7 +10,6 @@ import redis.asyncio as aioredis
 from fastapi import Depends, Request
 from redis.commands.core import AsyncScript
 
-from router.admission import AdmissionContext
 from router.dispatch import Dispatcher
 from router.model_catalog import ModelCatalog
 from shared.block_hash import BlockHasher
@@ -22,7 +21,6 @@ class RouterState:
     settings: Settings
     model_dir: Path
     model_id: str
-    admission: AdmissionContext  # the router's own model's
     catalog: ModelCatalog  # every model the pool serves
     dispatcher: Dispatcher
     aredis: aioredis.Redis

@@ -8,7 +8,7 @@ from __future__ import annotations
 import redis
 
 from shared import keys
-from shared.liveness import is_alive
+from shared.liveness import read_roster
 
 
 class CanaryMismatch(RuntimeError):
@@ -18,19 +18,13 @@ class CanaryMismatch(RuntimeError):
 def check_against_workers(r: redis.Redis, model_id: str, mine: str) -> None:
     """A hard error when a live worker of the model hashes the canary differently; otherwise the
     router's canary is recorded, and workers starting later check themselves against it."""
-    wids = sorted(m.decode() for m in r.smembers(keys.workers_roster()))
-    with r.pipeline(transaction=False) as pipe:
-        for wid in wids:
-            pipe.pttl(keys.worker_info(wid))
-            pipe.hmget(keys.worker_info(wid), "model", "canary")
-        replies = pipe.execute()
-    for i, wid in enumerate(wids):
-        pttl, (model, theirs) = int(replies[2 * i]), replies[2 * i + 1]
-        if not is_alive(pttl) or model is None or model.decode() != model_id or not theirs:
+    for w in read_roster(r, ("model", "canary")):
+        theirs = w.info.get("canary")
+        if not w.alive or w.info.get("model") != model_id or not theirs:
             continue
-        if theirs.decode() != mine:
+        if theirs != mine:
             raise CanaryMismatch(
-                f"worker {wid} hashes prompts of {model_id!r} as {theirs.decode()}, this router "
+                f"worker {w.worker_id} hashes prompts of {model_id!r} as {theirs}, this router "
                 f"as {mine}: tokenizer, chat template or APC_BLOCK_SIZE/APC_HASH differ"
             )
     r.hset(keys.routing_canary(), model_id, mine)

@@ -8,6 +8,12 @@ DEAD_AFTER_S is dead to the router, long before its hash expires.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
 from shared import keys
 
 # Several missed heartbeats: a long engine step or a Redis hiccup does not look like a death.
@@ -36,3 +42,47 @@ def is_alive(pttl_ms: int) -> bool:
 # Starts the failure text of a job whose worker died mid-run, as the reaper records it in rq: the
 # router reads it as "worker lost" (the request may run again), not as the request's own failure.
 WORKER_LOST_MARK = "worker lost:"
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    """One roster member as Redis shows it now: its liveness, the info-hash fields asked for
+    (absent when the hash or the field is gone) and the replies of any commands added per worker."""
+
+    worker_id: str
+    pttl_ms: int
+    info: dict[str, str]
+    extra: list[Any]
+
+    @property
+    def alive(self) -> bool:
+        return is_alive(self.pttl_ms)
+
+
+def read_roster(
+    r: redis.Redis,
+    fields: Sequence[str] = (),
+    per_worker: Callable[[Any, str], None] | None = None,
+    skip: str = "",
+) -> list[WorkerRecord]:
+    """Every worker in the roster but `skip`, by id, in one pipeline: PTTL of its info hash, the
+    `fields` of it, and whatever `per_worker(pipe, wid)` adds."""
+    wids = sorted(w for w in (m.decode() for m in r.smembers(keys.workers_roster())) if w != skip)
+    if not wids:
+        return []
+    with r.pipeline(transaction=False) as pipe:
+        for wid in wids:
+            pipe.pttl(keys.worker_info(wid))
+            if fields:
+                pipe.hmget(keys.worker_info(wid), list(fields))
+            if per_worker is not None:
+                per_worker(pipe, wid)
+        replies = pipe.execute()
+    width = len(replies) // len(wids)
+    out = []
+    for i, wid in enumerate(wids):
+        row = replies[i * width : (i + 1) * width]
+        values = row[1] if fields else []
+        info = {f: v.decode() for f, v in zip(fields, values, strict=True) if v is not None}
+        out.append(WorkerRecord(wid, int(row[0]), info, row[2:] if fields else row[1:]))
+    return out

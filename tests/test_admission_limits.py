@@ -187,6 +187,22 @@ def test_past_the_bound_a_request_gets_a_429_before_anything_is_enqueued(
     assert again.status_code == 200, again.text
 
 
+def test_a_request_of_several_choices_is_admitted_whole_or_refused_whole(bounded_pool: Any) -> None:
+    """n choices are n places in the ledger: past the bound the whole request is a 429, with no
+    choice enqueued and no reservation left behind; at the bound it runs every choice."""
+    pool = bounded_pool
+    r = redis.Redis.from_url(pool.redis_url)
+    jobs_before = len(list(r.scan_iter("rq:job:*")))
+    body = {"prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0}
+    refused = httpx.post(f"{pool.url}/v1/completions", json={**body, "n": BOUND + 1}, timeout=60)
+    assert refused.status_code == 429, refused.text
+    assert len(list(r.scan_iter("rq:job:*"))) == jobs_before
+    assert r.zcard(keys.admission_inflight()) == 0 and r.hlen(keys.admission_queued_tokens()) == 0
+    whole = httpx.post(f"{pool.url}/v1/completions", json={**body, "n": BOUND}, timeout=60)
+    assert whole.status_code == 200, whole.text
+    assert [c["index"] for c in whole.json()["choices"]] == list(range(BOUND))
+
+
 # --- size and cost limits at the router -----------------------------------------------------------
 
 

@@ -9,12 +9,11 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import GaugeMetricFamily
-from rq import Queue
 
 from router.cache_stats import read_pool
+from router.pool_health import queue_depths
 from router.pool_metrics import PoolCollector, pool_families
 from router.state import StateDep
-from shared import keys
 from shared.metrics import scrape
 
 router = APIRouter()
@@ -26,16 +25,7 @@ QUEUE_DEPTH = "mlxcel_queue_depth"
 async def metrics(state: StateDep) -> Response:
     workers = await read_pool(state.pool_script)
     families = pool_families(workers)
-    # Jobs waiting: the model's shared queue and every live worker's own (rq names the keys).
-    queued = [state.queue_key] + [
-        Queue(keys.worker_queue_name(w.worker_id), connection=state.dispatcher.sync_redis).key
-        for w in workers
-        if w.alive
-    ]
-    async with state.aredis.pipeline(transaction=False) as pipe:
-        for key in queued:
-            pipe.llen(key)
-        depths = await pipe.execute()
+    depths = await queue_depths(state, [w for w in workers if w.alive])
     families.append(GaugeMetricFamily(QUEUE_DEPTH, "Jobs waiting in the pool's rq queues.",
                                       value=sum(depths)))  # fmt: skip
     # Reading the per-process files is file I/O: off the event loop.

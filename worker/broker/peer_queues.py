@@ -20,7 +20,7 @@ from rq import Queue
 from rq.job import Job
 
 from shared import keys
-from shared.liveness import is_alive
+from shared.liveness import read_roster
 from shared.wire import MsgpackSerializer
 
 log = logging.getLogger("mlxcel.worker.peers")
@@ -64,33 +64,23 @@ class PeerQueues:
 
     def waiting(self) -> list[Waiting]:
         """Peers' queues with jobs this worker may take, dead peers' first."""
-        peers = sorted(
-            w for w in (m.decode() for m in self.r.smembers(keys.workers_roster()))
-            if w != self.worker_id
+        peers = read_roster(
+            self.r, ("model",), lambda pipe, wid: pipe.lrange(_queue_key(wid), 0, PEEK - 1),
+            skip=self.worker_id,
         )  # fmt: skip
-        if not peers:
-            return []
-        with self.r.pipeline(transaction=False) as pipe:
-            for wid in peers:
-                pipe.pttl(keys.worker_info(wid))
-                pipe.hget(keys.worker_info(wid), "model")
-                pipe.lrange(_queue_key(wid), 0, PEEK - 1)
-            replies = pipe.execute()
         found: list[Waiting] = []
-        for i, wid in enumerate(peers):
-            pttl, model, job_ids = replies[3 * i : 3 * i + 3]
-            if not job_ids:
+        for peer in peers:
+            ids = [j.decode() for j in peer.extra[0]]
+            if not ids:
                 continue
-            ids = [j.decode() for j in job_ids]
-            dead = not is_alive(int(pttl))
-            if dead:
+            if not peer.alive:
                 if self._model_of(ids[0]) not in (None, self.model_id):
                     continue
-                found.append(Waiting(self._queue(wid), len(ids), True))
-            elif model is not None and model.decode() == self.model_id:
+                found.append(Waiting(self._queue(peer.worker_id), len(ids), True))
+            elif peer.info.get("model") == self.model_id:
                 old = self._old_prefix(ids)
                 if old:
-                    found.append(Waiting(self._queue(wid), old, False))
+                    found.append(Waiting(self._queue(peer.worker_id), old, False))
         found.sort(key=lambda w: not w.dead)
         return found
 

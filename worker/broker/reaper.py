@@ -21,7 +21,7 @@ from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry
 
 from shared import keys
-from shared.liveness import DEAD_CONFIRMATIONS, WORKER_LOST_MARK, heartbeat_age_s, is_alive
+from shared.liveness import DEAD_CONFIRMATIONS, WORKER_LOST_MARK, heartbeat_age_s, read_roster
 from shared.wire import MsgpackSerializer
 from worker.broker.intake import JobEnd, JobOutcome, RqIntake, TakenJob
 from worker.broker.presence import RqWorkerRecord, WorkerPresence
@@ -51,20 +51,13 @@ class Reaper:
         """One pass; the ids of the jobs it failed. A pass counts towards a peer's death only
         REAP_INTERVAL_S after the last one that did: passes run back to back after a Redis
         stall, when every heartbeat looks old until the peers write again."""
-        peers = sorted(
-            w for w in (m.decode() for m in self.r.smembers(keys.workers_roster()))
-            if w != self.presence.worker_id
-        )  # fmt: skip
-        with self.r.pipeline(transaction=False) as pipe:
-            for wid in peers:
-                pipe.pttl(keys.worker_info(wid))
-                pipe.exists(keys.worker_reaped(wid))
-            replies = pipe.execute()
+        peers = read_roster(self.r, per_worker=lambda pipe, wid: pipe.exists(
+            keys.worker_reaped(wid)), skip=self.presence.worker_id)  # fmt: skip
         failed: list[str] = []
         now = self.clock()
-        for i, wid in enumerate(peers):
-            pttl, reaped = int(replies[2 * i]), bool(replies[2 * i + 1])
-            if is_alive(pttl) or reaped:
+        for peer in peers:
+            wid, pttl, reaped = peer.worker_id, peer.pttl_ms, bool(peer.extra[0])
+            if peer.alive or reaped:
                 self._suspects.pop(wid, None)
                 continue
             seen, counted_at = self._suspects.get(wid, (0, float("-inf")))
