@@ -201,8 +201,15 @@ def test_n_choices_and_prompt_lists_run_as_sequences_of_their_own(pool) -> None:
     assert both["usage"]["prompt_tokens"] == (
         alone["usage"]["prompt_tokens"] + other["usage"]["prompt_tokens"])  # fmt: skip
 
-    body = {"model": "mlxcel-tiny-s0", "prompt": "The quick brown fox", "max_tokens": 6,
-            "temperature": 0, "n": 2, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "mlxcel-tiny-s0",
+        "prompt": "The quick brown fox",
+        "max_tokens": 6,
+        "temperature": 0,
+        "n": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", f"{pool.url}/v1/completions", json=body, timeout=60) as resp:
         assert resp.status_code == 200
         lines = [ln for ln in resp.iter_lines() if ln.startswith("data: ")]
