@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -53,6 +54,30 @@ def model_dir_for(settings: Settings) -> Path:
     return configured_model_dir(settings.model.path, settings.cache_dir)
 
 
+# How long a starting router process waits for Redis to answer before it gives up.
+STARTUP_REDIS_WAIT_S = 60.0
+
+
+async def _until_redis_answers(settings: Settings, check: Callable[[], Awaitable[None]]) -> None:
+    """Run `check` (idempotent Redis reads and writes) until Redis answers it, retrying a lost
+    connection or a timeout for up to STARTUP_REDIS_WAIT_S; any other error at once."""
+    deadline = time.monotonic() + STARTUP_REDIS_WAIT_S
+    delay = 0.2
+    while True:
+        try:
+            await check()
+            return
+        except redis.AuthenticationError:
+            raise
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("Redis at %s does not answer yet (%s); retrying",
+                        masked_url(settings.redis.url), exc)  # fmt: skip
+            await anyio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+
 async def _build_state(settings: Settings) -> RouterState:
     if not settings.redis.url:
         raise RuntimeError("the router needs a Redis URL (REDIS_URL or [redis] url)")
@@ -64,8 +89,17 @@ async def _build_state(settings: Settings) -> RouterState:
     model_id = model_id_for(model_dir, settings.model.id)
     aredis = async_client(settings.redis)
     sync_redis = sync_client(settings.redis)
+    pc = settings.prompt_cache
+    hasher = BlockHasher(pc.apc_block_size, pc.apc_hash)
+    mine = canary(tokenizer.hf, model_id, hasher)
     try:
-        await aredis.ping()
+        # Redis must answer (a wrong password fails at once); a stall or a restart while this
+        # process starts is waited out, as a running router waits it out: uvicorn stops every
+        # process of the router when one fails its startup.
+        await _until_redis_answers(
+            settings, lambda: anyio.to_thread.run_sync(
+                check_against_workers, sync_redis, model_id, mine)
+        )  # fmt: skip
     except redis.RedisError as exc:
         await aredis.aclose()
         sync_redis.close()
@@ -74,11 +108,6 @@ async def _build_state(settings: Settings) -> RouterState:
     queue = build_queue(sync_redis, model_id)
     hub = StreamHub(settings.redis)
     await hub.start()
-    pc = settings.prompt_cache
-    hasher = BlockHasher(pc.apc_block_size, pc.apc_hash)
-    await anyio.to_thread.run_sync(
-        check_against_workers, sync_redis, model_id, canary(tokenizer.hf, model_id, hasher)
-    )
     ledger = AdmissionLedger(
         settings.admission, settings.routing, settings.prompt_cache, sync_redis, aredis
     )

@@ -210,3 +210,34 @@ def test_a_stall_past_the_bound_ends_requests_with_a_clear_error_never_wrong_tex
             assert resp.status_code == 503, resp.text
             time.sleep(0.5)
         assert resp.status_code == 200, resp.text
+
+
+def test_a_router_starting_while_redis_stalls_waits_it_out(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """uvicorn stops every process of a router when one fails its startup, so a process that
+    starts during a Redis stall must wait for Redis, not give up on its first timeout."""
+    from shared.config import RedisConfig
+    from shared.redis_server import start_redis
+    from tests.test_router_validation import RouterServer, router_settings
+
+    server = start_redis()
+    try:
+        base = router_settings(server.url, tiny_model_dir, tmp_path)
+        settings = base.model_copy(update={"redis": RedisConfig(url=server.url, stall_timeout_s=1)})
+        os.kill(server.process.pid, signal.SIGSTOP)
+        try:
+            router = RouterServer(settings)
+            router.thread.start()
+            time.sleep(3.0)  # its startup's Redis calls time out meanwhile
+            assert router.thread.is_alive() and not router.server.started
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while not router.server.started and time.monotonic() < deadline:
+            assert router.thread.is_alive(), "the router gave up on Redis"
+            time.sleep(0.1)
+        assert httpx.get(f"{router.url}/health", timeout=10).status_code == 503  # no worker yet
+        router.stop()
+    finally:
+        server.stop()
