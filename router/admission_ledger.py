@@ -21,6 +21,7 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
+from router.busy_gate import BusyGate
 from router.routing_metrics import observe_start
 from shared import keys
 from shared.config import AdmissionConfig, PromptCacheConfig, RoutingConfig
@@ -153,6 +154,8 @@ class AdmissionLedger:
         # the routed marks each wrote: request id -> (worker, their score, the members)
         self._marks: dict[str, tuple[str, int, list[bytes]]] = {}
         self._task: asyncio.Task[None] | None = None
+        # Remembers the last refusal at a bound of requests in flight (router.busy_gate).
+        self.gate = BusyGate(config.busy_hold_ms / 1000)
 
     def reserve(
         self, request_id: str, prompt_tokens: int, model_id: str, members: list[bytes]
@@ -173,7 +176,11 @@ class AdmissionLedger:
                   *members],
         )  # fmt: skip
         if int(reply[0]) != 1:
-            return Refusal(_text(reply[1]), int(reply[2]), int(reply[3]))
+            refusal = Refusal(_text(reply[1]), int(reply[2]), int(reply[3]))
+            if refusal.reason == "inflight":
+                pool_wide = 0 < c.max_inflight <= refusal.bound
+                self.gate.close(model_id, refusal.message(), pool_wide)
+            return refusal
         placement = Placement(_text(reply[1]), _text(reply[2]), int(reply[3]), int(reply[4]))
         self._held[request_id] = placement.worker_id
         if int(reply[7]):
@@ -201,6 +208,7 @@ class AdmissionLedger:
             log.warning("could not record the start of %s", request_id, exc_info=True)
 
     async def release(self, request_id: str) -> None:
+        self.gate.open()
         try:
             await self._release_async(**self._release_call(request_id))
         except redis.RedisError:  # it lapses on its own within reservation_ttl_s
@@ -208,6 +216,7 @@ class AdmissionLedger:
 
     def release_sync(self, request_id: str, client: redis.Redis) -> None:
         """Release from a worker thread (an enqueue that failed after its reservation)."""
+        self.gate.open()
         with suppress(redis.RedisError):
             self._release_sync(**self._release_call(request_id), client=client)
 

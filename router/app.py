@@ -24,6 +24,7 @@ from router.admission import AdmissionContext
 from router.admission_ledger import AdmissionLedger
 from router.auth import install_auth, load_access
 from router.body_limit import BodyLimit
+from router.busy_gate import BusyGateMiddleware
 from router.cache_stats import register_pool_script
 from router.dispatch import Dispatcher, build_queue
 from router.errors import install_error_handlers
@@ -167,6 +168,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings if settings is not None else settings_from_env()
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=app.state.settings.router.max_body_bytes)
+    # Inside auth, outside everything that reads a body: a flood's refusals cost no parsing.
+    app.add_middleware(BusyGateMiddleware)
     # Last added, so it runs first: an unauthenticated request is refused before anything reads it.
     install_auth(app, load_access(app.state.settings.auth))
     for module in (completions, chat, models, health, cache, metrics):

@@ -80,6 +80,9 @@ class AdmissionConfig(_Section):
     # A router that crashed leaves reservations behind: they lapse after this.
     reservation_ttl_s: float = Field(30.0, gt=1)
     retry_after_s: int = Field(1, ge=1)
+    # After a refusal at the bound of requests in flight, a router process refuses at its door
+    # (router/busy_gate.py) for this long or until one of its own requests ends; 0: never.
+    busy_hold_ms: float = Field(25, ge=0, le=60_000)
 
 
 class RoutingConfig(_Section):
@@ -209,6 +212,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "MLXCEL_MAX_QUEUED_PROMPT_TOKENS": ("admission", "max_queued_prompt_tokens"),
     "MLXCEL_RESERVATION_TTL_S": ("admission", "reservation_ttl_s"),
     "MLXCEL_RETRY_AFTER_S": ("admission", "retry_after_s"),
+    "MLXCEL_BUSY_HOLD_MS": ("admission", "busy_hold_ms"),
     "MLXCEL_ROUTING_POLICY": ("routing", "policy"),
     "MLXCEL_ROUTING_DECODE_WEIGHT": ("routing", "decode_weight"),
     "MLXCEL_ROUTING_BALANCE_ABS": ("routing", "balance_abs_threshold"),

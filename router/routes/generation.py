@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from router.admission import Admission, AdmissionContext, Outcome
 from router.admission_ledger import Placement, Refusal
+from router.busy_gate import busy_error
 from router.dispatch import TIMEOUT, WORKER_LOST
 from router.errors import APIError
 from router.logprobs import LogprobRenderer, TokenLogprob, from_event, token_table
@@ -248,6 +249,11 @@ async def admit_and_submit(
             raise
         return admission
 
+    # A model at its own bound (the pool-wide one was checked at the door): no tokenizing.
+    model = getattr(body, "model", None) or state.model_id
+    shut = state.dispatcher.ledger.gate.refusal(model)
+    if shut is not None:
+        raise busy_error(shut, state.settings.admission.retry_after_s)
     admission = await anyio.to_thread.run_sync(run)
     if admission.outcome is not Outcome.ADMIT or admission.request is None:
         raise admission.error()

@@ -1,0 +1,143 @@
+"""Load shedding at the door (router/busy_gate.py): after the ledger refuses a request at the
+bound of requests in flight, the router process answers 429 without reading the next requests,
+until its hold lapses or one of its own requests ends. The gate alone on an injected clock, then
+the real router app on a real Redis, its only slot held by another router's reservation."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+import redis.asyncio as aioredis
+from pydantic import SecretStr
+
+from router.admission_ledger import AdmissionLedger, Placement
+from router.busy_gate import BusyGate
+from shared import keys
+from shared.config import AdmissionConfig, AuthConfig, PromptCacheConfig, RoutingConfig
+from shared.model_facts import model_id_for
+from tests.pool_fixture import wait_for
+from tests.test_router_validation import RouterServer, router_settings
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_refusal_shuts_the_gate_until_its_hold_lapses() -> None:
+    clock = _Clock()
+    gate = BusyGate(0.025, clock)
+    assert gate.refusal() is None and gate.refusal("m") is None
+    gate.close("m", "full", pool_wide=True)
+    shut = gate.refusal()
+    assert shut is not None and shut.message == "full"
+    assert gate.refusal("other model") is shut  # the pool-wide bound holds for every model
+    clock.now += 0.024
+    assert gate.refusal() is shut
+    clock.now += 0.002
+    assert gate.refusal() is None and gate.refusal("m") is None
+
+
+def test_a_models_own_bound_shuts_only_that_model_and_an_end_opens_everything() -> None:
+    clock = _Clock()
+    gate = BusyGate(1.0, clock)
+    gate.close("a", "a is full", pool_wide=False)
+    assert gate.refusal() is None  # the door (no model known yet) stays open
+    assert gate.refusal("b") is None
+    shut = gate.refusal("a")
+    assert shut is not None and shut.message == "a is full"
+    gate.close("b", "pool full", pool_wide=True)
+    assert gate.refusal() is not None
+    gate.open()  # a request of this process ended: its slot is free
+    assert gate.refusal() is None and gate.refusal("a") is None
+
+
+def test_a_zero_hold_never_shuts() -> None:
+    gate = BusyGate(0.0)
+    gate.close("m", "full", pool_wide=True)
+    assert gate.refusal() is None
+
+
+def _other_router(redis_url: str) -> AdmissionLedger:
+    config = AdmissionConfig(max_inflight=1, max_inflight_per_worker=0)
+    return AdmissionLedger(config, RoutingConfig(), PromptCacheConfig(),
+                           redis.Redis.from_url(redis_url),
+                           aioredis.Redis.from_url(redis_url))  # fmt: skip
+
+
+KEY = "sk-gate-test"
+
+
+@pytest.fixture
+def gated_router(
+    redis_url: str, tiny_model_dir: Path, tmp_path: Path
+) -> Iterator[tuple[str, AdmissionLedger]]:
+    """One router process with a pool bound of 1 and a hold (30 s) far longer than any test step, so
+    what it answers while shut is the gate's, not a race with the clock; auth on."""
+    settings = router_settings(redis_url, tiny_model_dir, tmp_path)
+    settings.admission = AdmissionConfig(max_inflight=1, busy_hold_ms=30_000, retry_after_s=3)
+    settings.auth = AuthConfig(api_keys=SecretStr(KEY))
+    server = RouterServer(settings).start()
+    other = _other_router(redis_url)
+    try:
+        yield server.url, other
+    finally:
+        other.release_sync("other", redis.Redis.from_url(redis_url))
+        server.stop()
+
+
+def test_while_shut_the_router_refuses_at_its_door_and_a_local_end_opens_it(
+    gated_router: tuple[str, AdmissionLedger], redis_url: str, tiny_model_dir: Path
+) -> None:
+    url, other = gated_router
+    r = redis.Redis.from_url(redis_url)
+    model = model_id_for(tiny_model_dir, "")
+    auth = {"Authorization": f"Bearer {KEY}"}
+    good = {"model": model, "prompt": "The quick brown fox", "max_tokens": 4}
+    malformed = {"prompt": 5}
+    with httpx.Client(base_url=url, headers=auth, timeout=30) as client:
+        # Open: a body the router cannot take is its 400, whatever the load.
+        assert client.post("/v1/completions", json=malformed).status_code == 400
+
+        # No worker runs here: an admitted request waits in the shared queue, holding the only
+        # slot, until its client leaves (after 2 s).
+        def hold_the_slot() -> None:
+            with pytest.raises(httpx.ReadTimeout):
+                client.post("/v1/completions", json={**good, "stream": True}, timeout=2)
+
+        holder = threading.Thread(target=hold_the_slot)
+        holder.start()
+        wait_for(lambda: r.zcard(keys.admission_inflight()) == 1, 10, "the first admitted")
+        refused = client.post("/v1/completions", json=good)  # the ledger's refusal shuts it
+        assert refused.status_code == 429, refused.text
+        assert refused.headers["Retry-After"] == "3"
+        # Shut: refused before the body is read (a malformed one too, on both generation
+        # routes) with the ledger's words; other routes and an unauthenticated caller are
+        # answered as ever.
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            shut = client.post(path, content=b"{not json")
+            assert shut.status_code == 429, shut.text
+            error = shut.json()["error"]
+            assert (error["type"], error["code"]) == ("rate_limit_error", "rate_limit_exceeded")
+            assert "bound of 1 requests in flight" in error["message"]
+            assert shut.headers["Retry-After"] == "3"
+        assert client.get("/v1/models").status_code == 200
+        assert httpx.post(f"{url}/v1/completions", json=good).status_code == 401
+        # The holder's client leaves: its release opens the gate at once (the hold is 30 s).
+        holder.join()
+        wait_for(lambda: r.zcard(keys.admission_inflight()) == 0, 15, "the release")
+        assert client.post("/v1/completions", json=malformed).status_code == 400
+
+        # A slot another router frees is seen within the hold, not at once.
+        assert isinstance(other.reserve("other", 4, model, []), Placement)
+        assert client.post("/v1/completions", json=good).status_code == 429
+        other.release_sync("other", r)
+        assert client.post("/v1/completions", json=malformed).status_code == 429
