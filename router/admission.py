@@ -18,6 +18,7 @@ from typing import Any
 
 from router.errors import APIError
 from router.openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest
+from router.structured_output import FormatError, grammar_for
 from router.tokenization import RESERVED_TEMPLATE_KWARGS, ChatTemplateError, PromptTokenizer
 from shared.wire import (
     MAX_LOGIT_BIAS,
@@ -115,12 +116,6 @@ _TOKEN_ID = re.compile(r"[0-9]{1,10}")
 
 def _check_refused_fields(body: CompletionRequest | ChatCompletionRequest) -> None:
     """Fields this pool does not serve: a value that asks for them is a 400, never ignored."""
-    fmt = body.response_format
-    if fmt is not None and fmt != {"type": "text"}:
-        raise _invalid(
-            "Only 'response_format' of type 'text' (the default) is supported.",
-            "response_format",
-        )
     if isinstance(body, CompletionRequest):
         if body.echo:
             raise _invalid("'echo' is not supported (prompt logprobs are not served).", "echo")
@@ -190,7 +185,16 @@ def _sampling_controls(
         ),
         "logit_bias": _logit_bias(body.logit_bias, tok.vocab_size),
         "logprobs": _logprobs_asked(body),
+        "grammar": _grammar(body, tok),
     }
+
+
+def _grammar(body: CompletionRequest | ChatCompletionRequest, tok: PromptTokenizer) -> str | None:
+    """response_format as the llguidance grammar the worker enforces (router.structured_output)."""
+    try:
+        return grammar_for(body.response_format, tok)
+    except FormatError as exc:
+        raise _invalid(str(exc), "response_format") from exc
 
 
 def _requested_max_tokens(
@@ -326,8 +330,8 @@ def chat_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
         if choice.function.name not in names:
             raise _invalid(f"'tool_choice' names the function {choice.function.name!r}, "
                            "which 'tools' does not declare.", "tool_choice")  # fmt: skip
-    # Forcing a call needs constrained decoding, which this pool does not do yet: refused, so a
-    # client never believes a call is guaranteed when it is not.
+    # Forcing a call is not implemented (response_format's grammars do not cover tool calls):
+    # refused, so a client never believes a call is guaranteed when it is not.
     if choice is not None and choice != "auto":
         raise _invalid("Only tool_choice 'auto' or 'none' is supported (no constrained decoding "
                        "to force a call).", "tool_choice")  # fmt: skip

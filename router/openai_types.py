@@ -41,6 +41,25 @@ def _valid_unicode(text: str) -> str:
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 
+def _valid_json_strings(value: Any) -> Any:
+    """Every string (key or value) inside a JSON tree is valid Unicode (see `Text`)."""
+    if isinstance(value, str):
+        _valid_unicode(value)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _valid_json_strings(k)
+            _valid_json_strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            _valid_json_strings(v)
+    return value
+
+
+# A JSON object passed on to the chat template (tool parameters, chat_template_kwargs) or
+# compiled to a grammar (response_format).
+JSONObject = Annotated[dict[Text, Any], AfterValidator(_valid_json_strings)]
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -72,8 +91,8 @@ class _SamplingFields(_Body):
     presence_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     logit_bias: dict[Text, float] | None = None
-    # Only {"type": "text"} (the default) is served; admission refuses any other.
-    response_format: dict[Text, Any] | None = None
+    # text, json_object, json_schema, regex or grammar: router.structured_output compiles it.
+    response_format: JSONObject | None = None
 
 
 # The legacy completions API lists at most this many alternatives per token.
@@ -94,24 +113,6 @@ class CompletionRequest(_SamplingFields):
 class TextPart(_Body):
     type: Literal["text"]
     text: Text
-
-
-def _valid_json_strings(value: Any) -> Any:
-    """Every string (key or value) inside a JSON tree is valid Unicode (see `Text`)."""
-    if isinstance(value, str):
-        _valid_unicode(value)
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _valid_json_strings(k)
-            _valid_json_strings(v)
-    elif isinstance(value, list):
-        for v in value:
-            _valid_json_strings(v)
-    return value
-
-
-# A JSON object passed on to the chat template (tool parameters, chat_template_kwargs).
-JSONObject = Annotated[dict[Text, Any], AfterValidator(_valid_json_strings)]
 
 
 class FunctionCall(_Body):

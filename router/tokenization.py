@@ -9,12 +9,14 @@ from __future__ import annotations
 import inspect
 import logging
 import queue
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llguidance.hf import from_tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from router.tool_calls import ToolParser, infer_parser_name, load_parser
@@ -58,6 +60,11 @@ class PromptTokenizer:
     context_length: int
     vocab_size: int
     default_template: str | None
+    # llguidance's view of this tokenizer (router.structured_output), built on first use.
+    _grammar_view: Any = field(default=None, init=False, repr=False, compare=False)
+    _grammar_lock: threading.Lock = field(
+        default_factory=threading.Lock, init=False, repr=False, compare=False
+    )
 
     @property
     def hf(self) -> Any:
@@ -103,6 +110,16 @@ class PromptTokenizer:
                 raise ChatTemplateError(f"chat template failed to render: {exc}") from exc
             ids = list(hf.encode(text, add_special_tokens=False))
         return ids, template_signature(used)
+
+    def grammar_tokenizer(self) -> Any:
+        """llguidance's LLTokenizer over this tokenizer, which checks a response_format's grammar
+        (router.structured_output): built once, on the first request that needs it (slow for a
+        large vocabulary), then shared by every thread."""
+        with self._grammar_lock:
+            if self._grammar_view is None:
+                with self.pool.borrow() as hf:
+                    self._grammar_view = from_tokenizer(hf, n_vocab=max(self.vocab_size, len(hf)))
+            return self._grammar_view
 
     def tool_parser(self, template: str | None = None) -> ToolParser | None:
         """mlx-lm's tool-call parser for the template that renders the prompt (the request's,

@@ -29,6 +29,14 @@ MAX_REPETITION_PENALTY = 10.0  # repetition_penalty lies in (0, MAX_REPETITION_P
 MAX_LOGIT_BIAS = 100.0  # each logit_bias value lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]
 MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_TOP_LOGPROBS = 20  # the most alternatives a sampled token's logprob entry lists
+# The largest grammar (response_format compiled by router.structured_output, UTF-8 bytes) a
+# request may carry: its compile time is bounded with its size.
+MAX_GRAMMAR_BYTES = 256 * 1024
+# llguidance's parser limits (`LLParserLimits` keywords) for the router's check and the worker's
+# matcher alike. A tenth of its default initial lexer fuel: a pathological regex such as
+# `(a{1000}){1000}` fails its own request early instead of stalling the worker's batched step,
+# while large real schemas still compile.
+GRAMMAR_LIMITS: dict[str, int] = {"initial_lexer_fuel": 100_000}
 # A logprob below this (or -inf, which JSON cannot carry) is reported as this (OpenAI's floor).
 LOGPROB_FLOOR = -9999.0
 
@@ -92,6 +100,14 @@ def _as_float(cls: type, name: str, value: int | float) -> float:
         raise WireError(f"{cls.__name__}: {name} is too big for a float") from exc
 
 
+def _utf8_size(text: str) -> int:
+    """Its UTF-8 length; -1 for a str UTF-8 cannot write (a lone surrogate)."""
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        return -1
+
+
 def _in_range(cls: type, name: str, value: float, low: float, high: float) -> None:
     if not low <= value <= high:  # NaN fails this too
         raise WireError(f"{cls.__name__}: {name} must be in [{low:g}, {high:g}], got {value}")
@@ -118,6 +134,8 @@ class GenerationRequest:
     # None: no logprobs; k: each sampled token's logprob and its k most likely alternatives.
     logprobs: int | None = None
     stop: list[str] = field(default_factory=list)
+    # response_format as one llguidance grammar (None: unconstrained), enforced while decoding.
+    grammar: str | None = None
     # Prompt-cache isolation (spec): session key is prompt_cache_key, else user, else "".
     session_key: str = ""
     template_signature: str = ""
@@ -129,7 +147,7 @@ class GenerationRequest:
         "temperature": _NUMBER, "top_p": _NUMBER, "seed": (int, type(None)), "top_k": (int,),
         "min_p": _NUMBER, "repetition_penalty": _NUMBER, "presence_penalty": _NUMBER,
         "frequency_penalty": _NUMBER, "logit_bias": (dict,), "logprobs": (int, type(None)),
-        "stop": (list,),
+        "stop": (list,), "grammar": (str, type(None)),
         "session_key": (str,), "template_signature": (str,), "adapter_id": (str,),
         "enqueued_at": _NUMBER,
     }  # fmt: skip
@@ -171,6 +189,10 @@ class GenerationRequest:
         if not all(type(s) is str for s in req.stop):
             raise WireError("GenerationRequest: stop must be a list of str")
         req._check_sampling_controls()
+        if req.grammar is not None and not 0 < _utf8_size(req.grammar) <= MAX_GRAMMAR_BYTES:
+            raise WireError(
+                f"GenerationRequest: grammar must be nil or 1 to {MAX_GRAMMAR_BYTES} UTF-8 bytes"
+            )
         return req
 
     def _check_sampling_controls(self) -> None:

@@ -53,6 +53,18 @@ SAMPLING = {
     "user": CLEAN,
     "prompt_cache_key": CLEAN,
     "n": st.just(1),
+    # Each type, with its payload well formed or any JSON (router.structured_output).
+    "response_format": st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema", "regex", "grammar"])},
+        optional={
+            "json_schema": st.fixed_dictionaries(
+                {"name": CLEAN}, optional={"schema": JSON | st.just({"type": "integer"})}
+            )
+            | JSON,
+            "regex": TEXT | st.just("[a-z]{1,4}"),
+            "grammar": TEXT | st.just('start: "yes" | "no"'),
+        },
+    ),
 }
 CONTENT = CLEAN | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": CLEAN}))
 MESSAGE = st.fixed_dictionaries(

@@ -432,6 +432,11 @@ def test_controls_reach_the_worker(pool: Any) -> None:
     fine = {"prompt": "hi", "max_tokens": 2, "echo": False, "best_of": 1, "suffix": None,
             "response_format": {"type": "text"}, "top_k": -1, "min_p": 0}  # fmt: skip
     ok(post(pool, "/v1/completions", fine))
+    # Structured outputs are served (tests/test_structured_output.py checks what they produce).
+    for fmt in ({"type": "json_object"},
+                {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}):  # fmt: skip
+        ok(post(pool, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2,
+                                               "response_format": fmt}))  # fmt: skip
     penalized = {"messages": CHAT, "max_tokens": 4, "repetition_penalty": 1.3, "top_k": 5,
                  "presence_penalty": 1, "frequency_penalty": -1, "temperature": 1,
                  "seed": 3}  # fmt: skip
@@ -462,9 +467,9 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("completions", {"echo": True}, "echo"),
     ("completions", {"best_of": 2}, "best_of"),
     ("completions", {"suffix": "tail"}, "suffix"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("completions", {"response_format": {"type": "json_schema", "json_schema": {}}},
-     "response_format"),
+    ("chat", {"response_format": {"type": "xml"}}, "response_format"),
+    ("completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "foo"}}}}, "response_format"),
     ("completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
 ]  # fmt: skip
 

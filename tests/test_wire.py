@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.wire import (
+    MAX_GRAMMAR_BYTES,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_SEED,
     MAX_TOP_LOGPROBS,
@@ -58,6 +59,7 @@ VALID_REQUESTS = st.builds(
     logit_bias=st.dictionaries(st.integers(0, 2**31), st.floats(-100, 100), max_size=4),
     logprobs=st.none() | st.integers(0, MAX_TOP_LOGPROBS),
     stop=st.lists(st.text(max_size=8), max_size=16),
+    grammar=st.none() | st.text(min_size=1, max_size=32),
     session_key=st.text(max_size=16),
     template_signature=st.text(max_size=16),
     adapter_id=st.text(max_size=16),
@@ -86,6 +88,9 @@ def assert_valid_request(req: GenerationRequest) -> None:
     for token, bias in req.logit_bias.items():
         assert type(token) is int and token >= 0 and type(bias) is float and -100 <= bias <= 100
     assert req.logprobs is None or (type(req.logprobs) is int and 0 <= req.logprobs <= 20)
+    assert req.grammar is None or (
+        type(req.grammar) is str and 0 < len(req.grammar.encode("utf-8")) <= MAX_GRAMMAR_BYTES
+    )
     for name in ("session_key", "template_signature", "adapter_id"):
         assert type(getattr(req, name)) is str
     assert type(req.enqueued_at) is float and math.isfinite(req.enqueued_at)
@@ -152,7 +157,9 @@ BASE = GenerationRequest(request_id="r1", model="m", prompt_tokens=[1, 2], max_t
      ("logit_bias", [1, 2]), ("logit_bias", {"5": 1.0}), ("logit_bias", {-1: 1.0}),
      ("logit_bias", {True: 1.0}), ("logit_bias", {5: "x"}), ("logit_bias", {5: 101.0}),
      ("logit_bias", {5: math.nan}), ("logit_bias", {i: 1.0 for i in range(301)}),
-     ("logprobs", -1), ("logprobs", 21), ("logprobs", True), ("logprobs", 1.0)],
+     ("logprobs", -1), ("logprobs", 21), ("logprobs", True), ("logprobs", 1.0),
+     ("grammar", ""), ("grammar", 5), ("grammar", b"start: /a/"), ("grammar", ["x"]),
+     ("grammar", "x" * (MAX_GRAMMAR_BYTES + 1)), ("grammar", "\u00e9" * MAX_GRAMMAR_BYTES)],
 )  # fmt: skip
 def test_each_bad_field_is_a_wire_error_naming_it(field: str, value: Any) -> None:
     wire = {**BASE.to_wire(), field: value}

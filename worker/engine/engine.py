@@ -23,6 +23,7 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from shared.config import WorkerConfig
 from shared.wire import GenerationRequest, StreamEvent
+from worker.engine.grammar import GrammarError, GrammarTokenizer
 from worker.engine.request import Request, RequestStatus
 from worker.engine.results import StepResult
 from worker.engine.sampling import (
@@ -92,6 +93,8 @@ class Engine:
         self.clock = clock
         self.counters = EngineCounters()
         self._eos = frozenset(tokenizer.eos_token_ids)
+        # llguidance's view of the tokenizer, built on the first response_format request.
+        self._grammars = GrammarTokenizer(tokenizer, self.vocab_size, self._eos)
         self._last_reject_sent: dict[str, Any] | None = None
         # The one index of running requests, by BatchGenerator uid (a batch holds few, so a
         # lookup by request id scans it instead of keeping a second map in step).
@@ -146,8 +149,12 @@ class Engine:
             self._check(spec)
             req.sampler = make_request_sampler(spec, self.vocab_size)
             req.processors = make_logits_processors(spec)
+            if spec.grammar is not None:
+                # Last: after logit_bias, so a token the grammar bans stays banned.
+                req.grammar = self._grammars.constraint(spec)
+                req.processors.append(req.grammar)
             self._start(req, out)
-        except AdmissionError as exc:
+        except (AdmissionError, GrammarError) as exc:
             self._abandon(req, RequestStatus.FAILED, str(exc), INVALID, out)
         except Exception as exc:  # this request's own failure: the batch runs on without it
             log.exception("admitting %s failed", spec.request_id)
@@ -229,6 +236,10 @@ class Engine:
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             token = int((req.sampler or greedy_sampler)(logprobs).item())
             entry = self._logprobs(req, logprobs, token)
+        if req.grammar is not None:
+            req.grammar.advance([token])  # BatchGenerator's first call then has nothing new
+            if req.grammar.error:
+                raise RuntimeError(f"response_format: {req.grammar.error}")
         self.counters.batch_prefill_tokens += len(remaining)
         req.status = RequestStatus.DECODING
         budget_reason = "length" if spec.max_tokens == 1 else None
@@ -267,6 +278,12 @@ class Engine:
             if req is None:
                 continue
             try:
+                if req.grammar is not None and req.grammar.error:
+                    # Its processor consumed r.token in this step and refused it (or allowed
+                    # nothing): this request fails, the batch runs on.
+                    error = f"response_format: {req.grammar.error}"
+                    self._abandon(req, RequestStatus.FAILED, error, SERVER, out)
+                    continue
                 req.status = RequestStatus.DECODING
                 entry = entries.get(r.uid)
                 reason, by_text = self._accept(req, r.token, r.finish_reason, out, entry)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.wire import GenerationRequest
+from worker.engine.grammar import GrammarConstraint
 from worker.engine.sampling import LogitsProcessor, Sampler
 from worker.engine.text_stream import TextStream
 from worker.prompt_cache.block_pool import CacheLease
@@ -47,9 +48,10 @@ class Request:
     namespace: CacheNamespace
     text: TextStream
     sampler: Sampler | None  # None: greedy, batched with the other greedy sequences
-    processors: list[LogitsProcessor]  # its penalties and logit bias; empty: none
+    processors: list[LogitsProcessor]  # its penalties, logit bias, grammar; empty: none
     admitted_at: float
     deadline: float | None  # engine clock; past it the request fails (rq's job timeout)
+    grammar: GrammarConstraint | None = None  # its response_format (also its last processor)
     status: RequestStatus = RequestStatus.PREFILLING
     uid: int | None = None  # BatchGenerator's uid while the sequence is in the batch
     cached_tokens: int = 0  # prompt tokens whose KV came from the prompt cache

@@ -1,0 +1,140 @@
+"""`response_format` -> one llguidance grammar, checked here so a worker only ever compiles a
+grammar that compiled at the router.
+
+    {"type": "text"}                                        -> None (no constraint)
+    {"type": "json_object"}                                 -> any JSON object
+    {"type": "json_schema", "json_schema": {"name", "schema"?, "strict"?}}
+                                                            -> JSON valid against "schema"
+    {"type": "regex", "regex": "..."}                       -> text the regex matches whole
+    {"type": "grammar", "grammar": "<lark>"}                -> text the Lark grammar derives
+
+`grammar_for` returns the grammar string `GenerationRequest.grammar` carries, or raises
+`FormatError` (a 400 naming `response_format`): a malformed format, an unknown type, a schema,
+regex or grammar llguidance refuses, or one past `MAX_GRAMMAR_BYTES`. The worker enforces it
+while decoding (worker/engine/grammar.py). JSON is compact (no whitespace between tokens)
+unless a schema's own `x-guidance` options say otherwise: with flexible whitespace a model can
+pad forever, and a bounded schema would no longer bound the output.
+
+Imports llguidance (no mlx): its compiler and validator are plain Rust behind Python.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from llguidance import LLMatcher, LLParserLimits
+
+from router.tokenization import PromptTokenizer
+from shared.wire import GRAMMAR_LIMITS, MAX_GRAMMAR_BYTES
+
+PARAM = "response_format"
+TYPES = ("text", "json_object", "json_schema", "regex", "grammar")
+# llguidance's JSON compile options, before a schema's own `x-guidance`: compact JSON.
+JSON_DEFAULTS = {"whitespace_flexible": False}
+# The worker's limits; errors without the parser's state dump (the client's own schema, but
+# pages of it).
+_LIMITS = LLParserLimits(**GRAMMAR_LIMITS, verbose_errors=False)
+# The longest llguidance message quoted back to the client.
+MAX_MESSAGE_CHARS = 400
+
+
+class FormatError(ValueError):
+    """A response_format this pool cannot enforce; the message is for the client."""
+
+
+def grammar_for(fmt: dict[str, Any] | None, tokenizer: PromptTokenizer) -> str | None:
+    """The llguidance grammar that enforces `fmt` (None: plain text), validated against the
+    model's tokenizer."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind not in TYPES:
+        raise FormatError(
+            f"'response_format.type' must be one of {', '.join(TYPES)}; got {kind!r}."
+        )
+    if kind == "text":
+        return None
+    grammar = _compile(kind, fmt)
+    size = len(grammar.encode("utf-8"))
+    if size > MAX_GRAMMAR_BYTES:
+        raise FormatError(_too_big(size))
+    _validate(grammar, tokenizer)
+    return grammar
+
+
+def _compile(kind: str, fmt: dict[str, Any]) -> str:
+    try:
+        if kind == "json_object":
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
+        if kind == "json_schema":
+            return LLMatcher.grammar_from_json_schema(_schema_text(fmt), defaults=JSON_DEFAULTS)
+        text = _source(fmt, kind)
+        if kind == "regex":
+            return LLMatcher.grammar_from_regex(text)
+        return LLMatcher.grammar_from_lark(text)
+    except FormatError:
+        raise
+    except Exception as exc:  # llguidance's own ValueErrors, a schema json cannot write, ...
+        raise FormatError(f"'response_format' cannot be compiled: {_short(exc)}") from exc
+
+
+def _schema_text(fmt: dict[str, Any]) -> str:
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise FormatError("'response_format.json_schema' must be an object with a 'name'.")
+    name = spec.get("name")
+    if not isinstance(name, str) or not name:
+        raise FormatError("'response_format.json_schema.name' must be a non-empty string.")
+    if not isinstance(spec.get("strict", False), bool | None):
+        raise FormatError("'response_format.json_schema.strict' must be a boolean.")
+    schema = spec.get("schema", {"type": "object"})  # no schema: any JSON object
+    if not isinstance(schema, dict):
+        raise FormatError("'response_format.json_schema.schema' must be a JSON Schema object.")
+    text = json.dumps(schema, ensure_ascii=False, allow_nan=False)
+    if len(text) > MAX_GRAMMAR_BYTES:  # characters: a cheap bound before any bytes are made
+        raise FormatError(_too_big(len(text)))
+    return text
+
+
+def _source(fmt: dict[str, Any], kind: str) -> str:
+    text = fmt.get(kind)
+    if not isinstance(text, str) or not text:
+        raise FormatError(f"'response_format.{kind}' must be a non-empty string.")
+    if len(text) > MAX_GRAMMAR_BYTES:
+        raise FormatError(_too_big(len(text)))
+    return text
+
+
+def _validate(grammar: str, tokenizer: PromptTokenizer) -> None:
+    try:
+        ll_tokenizer = tokenizer.grammar_tokenizer()
+    except Exception as exc:  # not a fast tokenizer, a vocabulary llguidance cannot read
+        raise FormatError(
+            f"'response_format' is not available for this model's tokenizer: {_short(exc)}"
+        ) from exc
+    try:
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(
+            grammar, ll_tokenizer, limits=_LIMITS
+        )
+    except Exception as exc:  # llguidance answers with a message; this is belt and braces
+        is_error, messages = True, [_short(exc)]
+    if is_error:
+        detail = _clip(messages[0]) if messages else "rejected by llguidance"
+        raise FormatError(f"'response_format' is not a valid format: {detail}")
+
+
+def _too_big(size: int) -> str:
+    return (
+        f"'response_format' compiles to a grammar of {size} bytes; at most "
+        f"{MAX_GRAMMAR_BYTES} are accepted."
+    )
+
+
+def _short(exc: BaseException) -> str:
+    return _clip(str(exc) or type(exc).__name__)
+
+
+def _clip(message: str) -> str:
+    message = message.strip()
+    return message if len(message) <= MAX_MESSAGE_CHARS else message[:MAX_MESSAGE_CHARS] + "..."
