@@ -140,8 +140,9 @@ class LogprobRenderer:
         self.table = table
         self.chat = chat
 
-    def render(self, tokens: list[TokenLogprob]) -> dict[str, Any]:
-        return self._chat(tokens) if self.chat else self._completion(tokens)
+    def render(self, tokens: list[TokenLogprob], end: int | None = None) -> dict[str, Any]:
+        """`end`: characters of completion text sent so far (where the last delta ends)."""
+        return self._chat(tokens) if self.chat else self._completion(tokens, end)
 
     def _chat_item(self, token: int, logprob: float) -> dict[str, Any]:
         return {
@@ -158,7 +159,26 @@ class LogprobRenderer:
             content.append(item)
         return {"content": content}
 
-    def _completion(self, tokens: list[TokenLogprob]) -> dict[str, Any]:
+    def _offsets(self, tokens: list[TokenLogprob], end: int | None) -> list[int]:
+        """Each token's `text_offset`. Tokens that came in one delta share its start; each is
+        placed where the delta's text minus the text of it and the tokens after it ends (a
+        character split over tokens counts once), within the delta's span."""
+        out = [t.offset for t in tokens]
+        i = 0
+        while i < len(tokens):
+            j = i
+            while j + 1 < len(tokens) and tokens[j + 1].offset == tokens[i].offset:
+                j += 1
+            stop = tokens[j + 1].offset if j + 1 < len(tokens) else end
+            if j > i and stop is not None:
+                start, tail = tokens[i].offset, b""
+                for k in range(j, i, -1):
+                    tail = self.table.bytes_of(tokens[k].token) + tail
+                    out[k] = min(max(start, stop - len(tail.decode("utf-8", "replace"))), stop)
+            i = j + 1
+        return out
+
+    def _completion(self, tokens: list[TokenLogprob], end: int | None) -> dict[str, Any]:
         text_of = self.table.text_of
         tops = []
         for t in tokens:
@@ -169,5 +189,5 @@ class LogprobRenderer:
             "tokens": [text_of(t.token) for t in tokens],
             "token_logprobs": [t.logprob for t in tokens],
             "top_logprobs": tops,
-            "text_offset": [t.offset for t in tokens],
+            "text_offset": self._offsets(tokens, end),
         }

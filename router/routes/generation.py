@@ -149,7 +149,7 @@ def _unsent_logprobs(
         return None
     unsent = progress.logprobs[progress.logprobs_sent :]
     progress.logprobs_sent = len(progress.logprobs)
-    return renderer.render(unsent)
+    return renderer.render(unsent, progress.chars)
 
 
 async def _chunks(
@@ -310,7 +310,7 @@ async def respond(
     if not stream:
         async with aclosing(events):
             await _collect(events, progress)
-        logprobs = renderer.render(progress.logprobs) if renderer is not None else None
+        logprobs = renderer.render(progress.logprobs, progress.chars) if renderer else None
         text = "".join(progress.text)
         body = fmt.body(text, progress.finish_reason, progress.usage, logprobs, progress.tool_calls)
         return JSONResponse(body, headers=_served_by(progress.worker_id))
@@ -359,7 +359,7 @@ async def _respond_many(
             raise group.exceptions[0] from None
         choices = []
         for i, p in enumerate(progresses):
-            lp = renderer.render(p.logprobs) if renderer is not None else None
+            lp = renderer.render(p.logprobs, p.chars) if renderer is not None else None
             one_body = fmt.body("".join(p.text), p.finish_reason, p.usage, lp, p.tool_calls)
             choice = one_body["choices"][0]
             choice["index"] = i
