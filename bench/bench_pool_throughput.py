@@ -13,14 +13,23 @@ Sides run back to back at each concurrency level (order rotated per repeat); the
 level is repeated 3 times per side and the median reported. tok/s counts the tokens actually
 generated (usage.completion_tokens) over the wall time from the first send to the last token.
 
+`--sampling`: `neutral` (the default) sends temperature 0 and nothing else; `controls` gives
+every request the per-sequence machinery (CONTROLS: temperature, top_k, repetition_penalty and
+a small logit_bias that also bans EOS, so every sequence runs to max_tokens): the same request
+bodies to the pool and to mlx_lm.server, and the same controls to the engine side through the
+worker's own samplers and logits processors (worker/engine/sampling.py); `both` runs neutral
+then controls in one run.
+
     flock /tmp/mlxcel-bench.lock .venv/bin/python bench/bench_pool_throughput.py [--quick]
-        [--concurrency 1,4,16,32] [--max-tokens 128] [--json out.json]
+        [--concurrency 1,4,16,32] [--max-tokens 128] [--sampling neutral|controls|both]
+        [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -50,6 +59,7 @@ from common import (
 from results import Results
 
 from shared.config import load_settings
+from shared.wire import GenerationRequest
 
 PROMPT_TOKENS = 64
 REPEATS_AT = {16: 3}
@@ -60,6 +70,39 @@ SIDES = ("engine", "pool", "server")
 # on for a while, CPU the side measured next would otherwise lose; the pause outlasts the spin.
 SETTLE_S = 0.5
 SERVER_MODEL = "default_model"  # mlx_lm.server loads any other `model` value as a path / repo
+# The controls every request of the `controls` mode carries, besides CONTROL_BIAS. Fields that
+# mlx_lm.server reads from a request body too (its repetition penalty looks at the last 20
+# tokens, the pool's at the whole sequence). No seed: mlx_lm.server runs a seeded request alone.
+CONTROLS: dict[str, Any] = {"temperature": 0.7, "top_k": 40, "repetition_penalty": 1.1}
+CONTROL_BIAS = {100: 1.5, 200: -1.5}  # token id -> bias; EOS ids get -100 on top
+CONTROLS_GOAL = 1.0  # pool/server with controls, at GOAL_CONCURRENCY (issue)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """A mode of the benchmark: the fields every request body gets on top of temperature 0."""
+
+    name: str
+    fields: dict[str, Any]
+
+    @classmethod
+    def of(cls, name: str, eos: list[int]) -> Sampling:
+        if name == "neutral":
+            return cls(name, {})
+        bias = {**{t: -100.0 for t in eos}, **CONTROL_BIAS}
+        return cls(name, {**CONTROLS, "logit_bias": {str(t): b for t, b in bias.items()}})
+
+    def describe(self) -> str:
+        if not self.fields:
+            return f"{self.name} (temperature 0, no other control)"
+        return f"{self.name} {json.dumps(self.fields, separators=(',', ':'))}"
+
+    def engine_spec(self, i: int, prompt: list[int], max_tokens: int) -> GenerationRequest:
+        """The request as the worker would receive it from the router."""
+        bias = self.fields.get("logit_bias", {})
+        fields = {**self.fields, "logit_bias": {int(t): float(b) for t, b in bias.items()}}
+        return GenerationRequest(request_id=f"bench-{i}", model="bench", prompt_tokens=prompt,
+                                 max_tokens=max_tokens, **fields)  # fmt: skip
 
 
 @dataclass
@@ -97,6 +140,7 @@ class Engine:
 
             self.cpu_ops = cpu_ops.install(self.model)
         self.eos = sorted(self.tokenizer.eos_token_ids)
+        self.vocab_size = int(self.model.args.vocab_size)
 
     def settings(self) -> str:
         c = self.cfg
@@ -104,7 +148,7 @@ class Engine:
                 f"prefill_step_size={c.prefill_step_size} "
                 f"cpu_ops={','.join(self.cpu_ops) or 'mlx'}")  # fmt: skip
 
-    def run(self, prompts: list[list[int]], max_tokens: int) -> Measurement:
+    def run(self, prompts: list[list[int]], max_tokens: int, sampling: Sampling) -> Measurement:
         from mlx_lm.generate import BatchGenerator
 
         c = self.cfg
@@ -114,13 +158,28 @@ class Engine:
                              prefill_batch_size=min(c.prefill_batch_size, c.batch_size),
                              prefill_step_size=c.prefill_step_size)  # fmt: skip
         try:
-            return self._drive(gen, prompts, max_tokens)
+            return self._drive(gen, prompts, max_tokens, sampling)
         finally:
             gen.close()
 
-    def _drive(self, gen: Any, prompts: list[list[int]], max_tokens: int) -> Measurement:
+    def _per_sequence(self, prompts: list[list[int]], max_tokens: int,
+                      sampling: Sampling) -> dict[str, Any]:  # fmt: skip
+        """insert()'s samplers and logits processors, one each per sequence, made as the
+        worker's engine makes them; none in the neutral mode (BatchGenerator's defaults)."""
+        if not sampling.fields:
+            return {}
+        from worker.engine.sampling import make_logits_processors, make_request_sampler
+
+        specs = [sampling.engine_spec(i, p, max_tokens) for i, p in enumerate(prompts)]
+        return {"samplers": [make_request_sampler(s, self.vocab_size) for s in specs],
+                "logits_processors": [make_logits_processors(s) for s in specs]}  # fmt: skip
+
+    def _drive(
+        self, gen: Any, prompts: list[list[int]], max_tokens: int, sampling: Sampling
+    ) -> Measurement:
+        per_sequence = self._per_sequence(prompts, max_tokens, sampling)
         start = time.perf_counter()
-        gen.insert(prompts, max_tokens=[max_tokens] * len(prompts))
+        gen.insert(prompts, max_tokens=[max_tokens] * len(prompts), **per_sequence)
         first: dict[int, float] = {}
         done: set[int] = set()
         tokens = 0
@@ -144,19 +203,19 @@ class Engine:
 
 
 async def _http_round(
-    url: str, model: str, prompts: list[str], max_tokens: int
+    url: str, model: str, prompts: list[str], max_tokens: int, fields: dict[str, Any]
 ) -> list[StreamResult]:
     async with new_client(url, len(prompts)) as client:
-        bodies = [completion_body(model, p, max_tokens) for p in prompts]
+        bodies = [{**completion_body(model, p, max_tokens), **fields} for p in prompts]
         return list(await asyncio.gather(*(stream_request(client, "/v1/completions", b)
                                            for b in bodies)))  # fmt: skip
 
 
 def http_measure(
-    side: str, url: str, model: str, prompts: list[str], max_tokens: int
+    side: str, url: str, model: str, prompts: list[str], max_tokens: int, fields: dict[str, Any]
 ) -> Measurement:
     start = time.perf_counter()
-    results = asyncio.run(_http_round(url, model, prompts, max_tokens))
+    results = asyncio.run(_http_round(url, model, prompts, max_tokens, fields))
     wall = max(r.last or r.end for r in results) - start
     return Measurement(
         side,
@@ -180,23 +239,27 @@ class Sides:
     model: str
     tokenizer: Any
 
-    def runner(self, side: str, prompts: list[str], max_tokens: int) -> Callable[[], Measurement]:
+    def runner(
+        self, side: str, prompts: list[str], max_tokens: int, sampling: Sampling
+    ) -> Callable[[], Measurement]:
         if side == "engine":
             ids = [list(self.tokenizer.encode(p)) for p in prompts]  # as the router encodes
-            return lambda: self.engine.run(ids, max_tokens)
+            return lambda: self.engine.run(ids, max_tokens, sampling)
         url, model = (
             (self.pool_url, self.model) if side == "pool" else (self.server_url, SERVER_MODEL)
         )
-        return lambda: http_measure(side, url, model, prompts, max_tokens)
+        return lambda: http_measure(side, url, model, prompts, max_tokens, sampling.fields)
 
 
-def warm_up(sides: Sides, tokenizer: Any) -> None:
+def warm_up(sides: Sides, tokenizer: Any, sampling: Sampling) -> None:
     prompts = distinct_prompts(tokenizer, 2, 16, seed=1)
     for side in SIDES:
-        sides.runner(side, prompts, 4)()
+        sides.runner(side, prompts, 4, sampling)()
 
 
-def run_level(sides: Sides, c: int, max_tokens: int, seed: int) -> dict[str, list[Measurement]]:
+def run_level(
+    sides: Sides, c: int, max_tokens: int, seed: int, sampling: Sampling
+) -> dict[str, list[Measurement]]:
     out: dict[str, list[Measurement]] = {s: [] for s in SIDES}
     for rep in range(REPEATS_AT.get(c, 1)):
         # Fresh prompts per repeat (no side can reuse a cached prompt), the same for every side.
@@ -204,10 +267,11 @@ def run_level(sides: Sides, c: int, max_tokens: int, seed: int) -> dict[str, lis
         order = SIDES[rep % 3 :] + SIDES[: rep % 3]
         for side in order:
             time.sleep(SETTLE_S)
-            m = sides.runner(side, prompts, max_tokens)()
+            m = sides.runner(side, prompts, max_tokens, sampling)()
             out[side].append(m)
-            print(f"  c={c} rep={rep + 1} {side:6s} {m.tokens:5d} tok in {m.wall_s:6.2f}s = "
-                  f"{m.tps:7.1f} tok/s, mean TTFT {mean(m.ttfts) * 1000:7.1f} ms, "
+            print(f"  {sampling.name} c={c} rep={rep + 1} {side:6s} {m.tokens:5d} tok in "
+                  f"{m.wall_s:6.2f}s = {m.tps:7.1f} tok/s, "
+                  f"mean TTFT {mean(m.ttfts) * 1000:7.1f} ms, "
                   f"cached {m.cached_tokens}, retries {m.retries}", file=sys.stderr)  # fmt: skip
     return out
 
@@ -224,19 +288,25 @@ def summarize(c: int, runs: dict[str, list[Measurement]]) -> dict[str, Any]:
         row[f"{side}_retries"] = sum(m.retries for m in ms)
     row["pool_over_engine"] = ratio(row["pool_tps"], row["engine_tps"])
     row["server_over_engine"] = ratio(row["server_tps"], row["engine_tps"])
+    row["pool_over_server"] = ratio(row["pool_tps"], row["server_tps"])
     return row
 
 
-def print_report(rows: list[dict[str, Any]], max_tokens: int) -> None:
+def goal_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    return next((r for r in rows if r["concurrency"] == GOAL_CONCURRENCY), None)
+
+
+def print_report(rows: list[dict[str, Any]], max_tokens: int, sampling: Sampling) -> None:
     headers = ["conc", "reps", "engine tok/s", "pool tok/s", "pool/engine", "server tok/s",
-               "server/engine", "TTFT ms engine mean/p50", "pool mean/p50",
+               "server/engine", "pool/server", "TTFT ms engine mean/p50", "pool mean/p50",
                "server mean/p50"]  # fmt: skip
     body = [
         [r["concurrency"], r["repeats"], r["engine_tps"], r["pool_tps"], r["pool_over_engine"],
-         r["server_tps"], r["server_over_engine"],
+         r["server_tps"], r["server_over_engine"], r["pool_over_server"],
          *(f"{r[f'{s}_ttft_mean_ms']:.0f}/{r[f'{s}_ttft_p50_ms']:.0f}" for s in SIDES)]
         for r in rows
     ]  # fmt: skip
+    print(f"## sampling: {sampling.describe()}")
     print(table(headers, body))
     print(f"(tok/s: median over repeats; max_tokens={max_tokens}, prompts ~{PROMPT_TOKENS} tokens, "
           "distinct per request and per repeat)")  # fmt: skip
@@ -245,13 +315,23 @@ def print_report(rows: list[dict[str, Any]], max_tokens: int) -> None:
         f"prompt-cache hits reported by usage.cached_tokens, all levels: pool {cached['pool']} "
         f"(its prompt cache is disabled for this benchmark), mlx_lm.server {cached['server']}"
     )
-    goal = next((r for r in rows if r["concurrency"] == GOAL_CONCURRENCY), None)
+    goal = goal_row(rows)
     if goal is not None:
-        verdict = "MET" if goal["pool_over_engine"] >= GOAL_RATIO else "MISSED"
-        print(
-            f"goal pool/engine >= {GOAL_RATIO} at concurrency {GOAL_CONCURRENCY}: "
-            f"{goal['pool_over_engine']:.3f} -> {verdict}"
-        )
+        key, want, what = (("pool_over_engine", GOAL_RATIO, "pool/engine") if not sampling.fields
+                           else ("pool_over_server", CONTROLS_GOAL, "pool/server"))  # fmt: skip
+        verdict = "MET" if goal[key] >= want else "MISSED"
+        print(f"goal {what} >= {want} at concurrency {GOAL_CONCURRENCY} ({sampling.name}): "
+              f"{goal[key]:.3f} -> {verdict}")  # fmt: skip
+
+
+def print_side_by_side(runs: dict[str, list[dict[str, Any]]]) -> None:
+    """`--sampling both`: the issue's two numbers on one line (at concurrency 16, else at the
+    highest level run; both modes run the same levels)."""
+    at = {name: goal_row(rows) or rows[-1] for name, rows in runs.items()}
+    print(f"controls pool/server {at['controls']['pool_over_server']:.3f} "
+          f"(goal >= {CONTROLS_GOAL}); neutral pool/engine "
+          f"{at['neutral']['pool_over_engine']:.3f} "
+          f"(concurrency {at['controls']['concurrency']})")  # fmt: skip
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -263,6 +343,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # One by default: on a 2-core machine the worker needs both cores, and a second router
     # process takes CPU from it (bench/README.md).
     p.add_argument("--router-processes", type=int, default=1)
+    p.add_argument("--sampling", choices=("neutral", "controls", "both"), default="neutral",
+                   help="neutral: temperature 0 only; controls: every request with CONTROLS "
+                        "(top_k, a penalty, logit_bias); both: neutral, then controls")  # fmt: skip
     args = p.parse_args(argv)
     if args.quick:
         args.concurrency, args.max_tokens = "1,4", 32
@@ -279,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = bench_model_dir()
     tokenizer = load_hf_tokenizer(model_dir)
     engine = Engine(model_dir)
+    modes = ["neutral", "controls"] if args.sampling == "both" else [args.sampling]
+    samplings = [Sampling.of(name, engine.eos) for name in modes]
     server_args = ["--max-tokens", str(args.max_tokens)]
     print(
         f"# model {model_dir.name}; engine/pool worker: {engine.settings()}; pool prompt cache "
@@ -286,30 +371,45 @@ def main(argv: list[str] | None = None) -> int:
         "workers=1"
     )
     print(f"# mlx_lm.server: its defaults {SERVER_DEFAULTS}")
+    print(f"# sampling {args.sampling}: " + "; then ".join(s.describe() for s in samplings))
     env = {"MLXCEL_PROMPT_CACHE_ENABLED": "false"}
+    runs: dict[str, list[dict[str, Any]]] = {}
     with (
         pool_side(model_dir, env, args.router_processes) as pool_url,
         mlx_lm_server(model_dir, server_args) as srv,
     ):
         sides = Sides(engine, pool_url, srv, model_dir.name, tokenizer)
-        warm_up(sides, tokenizer)
-        rows = [summarize(c, run_level(sides, c, args.max_tokens, seed=10_000 * (i + 1)))
-                for i, c in enumerate(args.levels)]  # fmt: skip
-    print_report(rows, args.max_tokens)
-    data = {"machine": machine, "max_tokens": args.max_tokens, "rows": rows}
+        for m, sampling in enumerate(samplings):
+            warm_up(sides, tokenizer, sampling)
+            # Each mode its own prompts: mlx_lm.server's prompt cache never sees one twice.
+            runs[sampling.name] = [
+                summarize(c, run_level(sides, c, args.max_tokens,
+                                       seed=10_000 * (i + 1) + 1_000_000 * m, sampling=sampling))
+                for i, c in enumerate(args.levels)
+            ]  # fmt: skip
+    for sampling in samplings:
+        print_report(runs[sampling.name], args.max_tokens, sampling)
+    if len(runs) == 2:
+        print_side_by_side(runs)
+    data = {"machine": machine, "max_tokens": args.max_tokens, "sampling": args.sampling,
+            "controls": samplings[-1].fields, "rows": runs[modes[0]], "runs": runs}  # fmt: skip
     write_json(args.json, data)
-    results.finish(data, lambda ax: plot_throughput(ax, rows, machine))
+    results.finish(data, lambda ax: plot_throughput(ax, runs, machine))
     return 0
 
 
-def plot_throughput(ax: Any, rows: list[dict[str, Any]], machine: str) -> None:
-    """Aggregate tok/s against concurrency, one line a side."""
-    xs = [r["concurrency"] for r in rows]
-    for side, label in (("engine", "in-process engine"), ("pool", "pool"),
-                        ("server", "mlx_lm.server")):  # fmt: skip
-        ax.plot(xs, [r[f"{side}_tps"] for r in rows], marker="o", label=label)
+def plot_throughput(ax: Any, runs: dict[str, list[dict[str, Any]]], machine: str) -> None:
+    """Aggregate tok/s against concurrency, one line a side (dashed: with controls)."""
+    for name, rows in runs.items():
+        xs = [r["concurrency"] for r in rows]
+        style, suffix = ("--", " (controls)") if name == "controls" else ("-", "")
+        for side, label in (("engine", "in-process engine"), ("pool", "pool"),
+                            ("server", "mlx_lm.server")):  # fmt: skip
+            ax.plot(xs, [r[f"{side}_tps"] for r in rows], marker="o", linestyle=style,
+                    label=label + suffix)  # fmt: skip
     ax.set(xlabel="concurrent streams", ylabel="aggregate tokens/s", xscale="log",
            title=f"throughput vs concurrency\n{machine}")  # fmt: skip
+    xs = sorted({r["concurrency"] for rows in runs.values() for r in rows})
     ax.set_xticks(xs, [str(x) for x in xs])
     ax.legend()
 
