@@ -1,10 +1,12 @@
-"""`mlxcel-pool dashboard` (rq-dashboard): bound to loopback, it shows the pool's msgpack jobs, and
-a pickle payload written into Redis is never unpickled. A real dashboard process, a real Redis."""
+"""`mlxcel-pool dashboard` (rq-dashboard): bound to loopback, it shows the pool's msgpack jobs and
+names pool workers by host, pid and model, and a pickle payload written into Redis is never
+unpickled. A real dashboard process, a real Redis."""
 
 from __future__ import annotations
 
 import os
 import pickle
+import socket
 import subprocess
 import sys
 import time
@@ -21,10 +23,13 @@ from rq import Queue, Worker
 from rq.job import Job
 from rq.results import Result
 
+from mlxcel_pool.dashboard import worker_label
+from shared import keys
 from shared.redis_auth import MASK
 from shared.redis_server import free_port
 from shared.wire import JOB_FUNC, MsgpackSerializer
-from tests.streams import SHARED_QUEUE, enqueue
+from tests.streams import SHARED_QUEUE, TINY_MODEL, enqueue
+from worker.broker.presence import WorkerPresence
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -137,6 +142,38 @@ def test_dashboard_shows_msgpack_jobs_and_never_unpickles(
     # The payload is live: unpickled, it does create its directory.
     pickle.loads(zlib.decompress(r.hget(Job.key_for("evil"), "data")))  # noqa: S301
     assert sorted(p.name for p in marker.iterdir()) == ["data"]
+
+
+def test_dashboard_names_pool_workers_by_host_pid_and_model(
+    dashboard: tuple[str, subprocess.Popen[bytes]], redis_url: str
+) -> None:
+    base, _ = dashboard
+    r = redis.Redis.from_url(redis_url)
+    queue = Queue(keys.worker_queue_name("w7"), connection=r, serializer=MsgpackSerializer)
+    WorkerPresence(r, "w7", [queue], {"worker_id": "w7", "model": TINY_MODEL}).arrive({})
+    Worker([SHARED_QUEUE], connection=r, name="someone-else").register_birth()
+
+    # The page lists each worker by the JSON's `name` (its pid is in the JSON, not on the page).
+    page = httpx.get(f"{base}/0/view/workers", timeout=10)
+    assert page.status_code == 200 and "<%= d.name %>" in page.text
+    assert "d.pid" not in page.text
+    listed = httpx.get(f"{base}/0/data/workers.json", timeout=10)
+    assert listed.status_code == 200, listed.text
+    workers = {w.get("rq_name", w["name"]): w for w in listed.json()["workers"]}
+    assert set(workers) == {"mlxcel-w7", "someone-else"}
+    pool, foreign = workers["mlxcel-w7"], workers["someone-else"]
+    assert pool["name"] == f"w7 · {socket.gethostname()}:{os.getpid()} · {TINY_MODEL}"
+    assert (pool["pid"], pool["queues"], pool["state"]) == (os.getpid(), [queue.name], "idle")
+    assert foreign["name"] == "someone-else" and "rq_name" not in foreign
+    assert foreign["pid"] == os.getpid() and foreign["queues"] == [SHARED_QUEUE]
+    # Only the page's label changes: rq still knows the worker by the name the pool parses back.
+    assert {w.name for w in Worker.all(connection=r)} == {"mlxcel-w7", "someone-else"}
+
+
+def test_worker_label_marks_what_redis_lost_and_escapes_html() -> None:
+    assert worker_label("w1", "mac-1", 42, "org/model") == "w1 · mac-1:42 · org/model"
+    assert worker_label("w1", None, None, None) == "w1 · ?:? · ?"
+    assert worker_label("w1", "h", 1, "<b>m</b>") == "w1 · h:1 · &lt;b&gt;m&lt;/b&gt;"
 
 
 def test_dashboard_pages_mask_the_redis_password(
