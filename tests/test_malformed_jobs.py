@@ -24,7 +24,12 @@ def _request(**fields: Any) -> dict[str, Any]:
 
 
 def _bad_payload(r: redis.Redis, kwargs: dict[str, Any]) -> str:
+    """A job whose payload is wrong in one field; a request keeps its job's own id, so that
+    field is what the worker refuses, not a missing id."""
     rid = uuid.uuid4().hex
+    request = kwargs.get("request")
+    if isinstance(request, dict) and request.get("request_id") == "":
+        kwargs = {**kwargs, "request": {**request, "request_id": rid}}
     enqueue_raw(r, rid, kwargs)
     return rid
 
@@ -57,13 +62,21 @@ def test_malformed_jobs_fail_alone_and_the_worker_serves_on(redis_url: str, star
         "empty prompt": _bad_payload(r, {"request": _request(prompt_tokens=[])}),
         "negative seed": _bad_payload(r, {"request": _request(seed=-1, temperature=1.0)}),
         "token id past the vocab": _bad_payload(r, {"request": _request(prompt_tokens=[10**9])}),
-        # With a request id, so the grammar is what fails (the decoder, then the engine).
-        "grammar not a str": _bad_payload(
-            r, {"request": _request(request_id="g1", grammar=["start: /a/"])}
-        ),
+        "grammar not a str": _bad_payload(r, {"request": _request(grammar=["start: /a/"])}),
         "grammar that does not compile": _bad_payload(
-            r, {"request": _request(request_id="g2", grammar="start: undefined_rule")}
+            r, {"request": _request(grammar="start: undefined_rule")}
         ),
+    }
+    # What each payload's error must name (the decoder's or the engine's words): the field
+    # that is wrong, never a missing request id.
+    names = {
+        "temperature hot": "temperature",
+        "stop 5": "stop",
+        "empty prompt": "prompt",
+        "negative seed": "seed",
+        "token id past the vocab": "vocab",
+        "grammar not a str": "grammar",
+        "grammar that does not compile": "grammar",
     }
     r.rpush(queue.key, uuid.uuid4().hex)  # an id whose job hash does not exist at all
     good = enqueue(r, PROMPT, max_tokens=6)
@@ -82,8 +95,8 @@ def test_malformed_jobs_fail_alone_and_the_worker_serves_on(redis_url: str, star
         # A router waiting on it hears why, in the job's own stream.
         (error,) = [e for e in read_events(r, job_id, timeout=5) if e.kind == "error"]
         assert error.error, what
-        if what.startswith("grammar"):
-            assert "grammar" in error.error and "request_id" not in error.error, error
+        if what in names:
+            assert names[what] in error.error and "request_id" not in error.error, (what, error)
     # Nothing is left half-taken: no job shown as started, none left in the intermediate queue.
     assert StartedJobRegistry(SHARED_QUEUE, connection=r, **KW).count == 0
     assert r.llen(queue.intermediate_queue_key) == 0
