@@ -10,12 +10,21 @@ a round the queue depths (the shared rq queue and each worker's, by LLEN) and th
 ledger's in-flight count (ZCARD) are sampled every 100 ms; after it, once the pool is idle, the
 RSS of every router, worker and Redis process.
 
+Two baselines before the rounds: `--bound` requests at once with no flood (what admission can
+at best keep for them), and the same beside a flood the router answers 404 to, a route it does
+not have (the floor: what the flood's HTTP exchanges alone cost the accepted requests on this
+machine, with the load generator on the same cores). After the rounds, a sustained overload:
+the pool held full by long streams while 32 clients send request after request for a few
+seconds (refusals a second, and the router's CPU per refusal; `--busy-hold-ms 0` turns the
+router's door check off for a side-by-side run).
+
 Goal (issue 11): 0 answers other than 200 and 429, the worst round's p99 TTFT of the accepted
 within 2x the lone request's TTFT at the configured bound, and no RSS growth from round 1 to the
 last in the router or the workers. Exits 0 either way (a benchmark); the verdict is the last line.
 
     flock /tmp/mlxcel-bench.lock .venv/bin/python bench/bench_flood.py [--quick] [--flood 300]
-        [--bound N] [--batch-size 32] [--rounds 3] [--work-dir DIR] [--json out.json]
+        [--bound N] [--batch-size 32] [--rounds 3] [--busy-hold-ms MS] [--work-dir DIR]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -56,6 +65,7 @@ OVERRIDES = {"router": {"processes": 1}}
 # RSS is read only once the pool is idle (nothing in flight or queued) and then after this
 # pause, so a round's last frees and the allocator's trimming are behind it.
 SETTLE_S = 2.0
+SUSTAINED_CLIENTS = 32  # concurrent clients of the closed-loop overload phase
 IDLE_TIMEOUT_S = 60.0
 # RSS moves by allocator noise even without a leak; growth past the larger of these is growth.
 # A leak of one small object per request (300 a round) shows as a steady rise over rounds,
@@ -74,22 +84,28 @@ class Plan:
     bound: int  # MLXCEL_MAX_INFLIGHT
     batch_size: int  # MLXCEL_BATCH_SIZE of each worker
     request_timeout_s: float  # a request unanswered past this counts as `other`
+    busy_hold_ms: float | None  # MLXCEL_BUSY_HOLD_MS (None: the pool's default)
+    sustained_s: float  # how long the closed-loop overload phase runs
 
     @classmethod
     def of(cls, args: argparse.Namespace) -> Plan:
         bound = args.bound or len(WORKERS) * args.batch_size
+        hold = args.busy_hold_ms
         if args.quick:
-            return cls(args.flood or 150, args.rounds, 5, bound, args.batch_size, 60.0)
-        return cls(args.flood or 300, args.rounds, 10, bound, args.batch_size, 120.0)
+            return cls(args.flood or 150, args.rounds, 5, bound, args.batch_size, 60.0, hold, 3.0)
+        return cls(args.flood or 300, args.rounds, 10, bound, args.batch_size, 120.0, hold, 6.0)
 
     def env(self) -> dict[str, str]:
         """The pool bound, and a per-worker bound that gives the same figure while both workers
         are live (it only narrows the bound when one is not)."""
-        return {
+        env = {
             "MLXCEL_MAX_INFLIGHT": str(self.bound),
             "MLXCEL_MAX_INFLIGHT_PER_WORKER": str(math.ceil(self.bound / len(WORKERS))),
             "MLXCEL_BATCH_SIZE": str(self.batch_size),
         }
+        if self.busy_hold_ms is not None:
+            env["MLXCEL_BUSY_HOLD_MS"] = f"{self.busy_hold_ms:g}"
+        return env
 
 
 @dataclass
@@ -128,9 +144,26 @@ class Round:
 
 
 @dataclass
+class Sustained:
+    """The closed-loop overload phase: the pool held full by long streams while clients send
+    request after request; what came back and what the router process spent per refusal."""
+
+    seconds: float
+    statuses: dict[int, int]
+    router_cpu_s: float
+
+    @property
+    def refused(self) -> int:
+        return self.statuses.get(429, 0)
+
+
+@dataclass
 class Run:
     lone_ttfts: list[float] = field(default_factory=list)
     at_bound_ttfts: list[float] = field(default_factory=list)  # `bound` at once, no flood
+    # `bound` requests at once beside a flood the router answers 404 to (no admission at all)
+    floor_ttfts: list[float] = field(default_factory=list)
+    sustained: Sustained | None = None
     baseline_rss_mib: dict[str, float] = field(default_factory=dict)
     rounds: list[Round] = field(default_factory=list)
 
@@ -189,11 +222,13 @@ async def _read_refusal(resp: aiohttp.ClientResponse) -> Reply:
     return Reply(REJECTED, 429, why=retry_after)
 
 
-async def send(http: aiohttp.ClientSession, model: str, timeout: float) -> Reply:
+async def send(
+    http: aiohttp.ClientSession, model: str, timeout: float, path: str = "/v1/completions"
+) -> Reply:
     start = time.perf_counter()
     try:
         async with asyncio.timeout(timeout):
-            async with http.post("/v1/completions", json=_body(model)) as resp:
+            async with http.post(path, json=_body(model)) as resp:
                 answered = time.perf_counter() - start
                 if resp.status == 200:
                     reply = await _read_stream(resp, start)
@@ -291,6 +326,63 @@ async def at_bound_ttfts(http: aiohttp.ClientSession, model: str, plan: Plan) ->
     return [r.ttft for r in replies if r.kind == ACCEPTED and r.ttft is not None]
 
 
+# A route the router does not have: Starlette answers 404 before any middleware of ours reads
+# the body, so a flood of these costs the router its HTTP exchanges and nothing else.
+NO_ROUTE = "/v1/no-such-route"
+
+
+async def floor_ttfts(http: aiohttp.ClientSession, model: str, plan: Plan) -> list[float]:
+    """`bound` requests at once, beside `flood - bound` requests the router answers 404 to:
+    the TTFT the accepted requests of a flood would have if every refusal cost the router
+    nothing but its HTTP exchange (and the client, on the same cores, its requests)."""
+    sends = [send(http, model, plan.request_timeout_s) for _ in range(plan.bound)]
+    sends += [send(http, model, plan.request_timeout_s, NO_ROUTE)
+              for _ in range(max(0, plan.flood - plan.bound))]  # fmt: skip
+    replies = await asyncio.gather(*sends)
+    return [r.ttft for r in replies[: plan.bound] if r.kind == ACCEPTED and r.ttft is not None]
+
+
+def _router_cpu_s(pool: Pool) -> float:
+    leader = psutil.Process(pool.pid("router"))
+    procs = [leader, *leader.children(recursive=True)]
+    return sum(p.cpu_times().user + p.cpu_times().system for p in procs)
+
+
+async def sustained(
+    pool: Pool, http: aiohttp.ClientSession, depths: Depths, model: str, plan: Plan
+) -> Sustained:
+    """The pool held at its bound by `bound` long streams (max_tokens 2000), then CLIENTS
+    clients each sending the flood's request again as soon as the last one is answered, for
+    `sustained_s`: refusals a second, and the router's CPU per refusal."""
+    long_body = {**_body(model), "max_tokens": 2000}
+
+    async def hold() -> None:
+        async with http.post("/v1/completions", json=long_body) as resp:
+            async for _ in resp.content:
+                pass
+
+    holders = [asyncio.create_task(hold()) for _ in range(plan.bound)]
+    deadline = time.perf_counter() + 30
+    while (await depths.read(0.0)).inflight < plan.bound and time.perf_counter() < deadline:
+        await asyncio.sleep(SAMPLE_S)
+    statuses: Counter[int] = Counter()
+    cpu0, t0 = _router_cpu_s(pool), time.perf_counter()
+
+    async def client() -> None:
+        while time.perf_counter() - t0 < plan.sustained_s:
+            async with http.post("/v1/completions", json=_body(model)) as resp:
+                await resp.read()
+                statuses[resp.status] += 1
+
+    await asyncio.gather(*(client() for _ in range(SUSTAINED_CLIENTS)))
+    seconds, cpu = time.perf_counter() - t0, _router_cpu_s(pool) - cpu0
+    for task in holders:
+        task.cancel()
+    await asyncio.gather(*holders, return_exceptions=True)
+    await depths.wait_idle(IDLE_TIMEOUT_S)
+    return Sustained(seconds, dict(statuses), cpu)
+
+
 async def flood_round(
     pool: Pool, http: aiohttp.ClientSession, depths: Depths, model: str, plan: Plan, number: int
 ) -> Round:
@@ -326,9 +418,12 @@ async def flood(pool: Pool, plan: Plan) -> Run:
             await asyncio.sleep(SETTLE_S)
             run.at_bound_ttfts = await at_bound_ttfts(http, model, plan)
             await asyncio.sleep(SETTLE_S)
+            run.floor_ttfts = await floor_ttfts(http, model, plan)
+            await asyncio.sleep(SETTLE_S)
             run.baseline_rss_mib = rss_mib(pool)
             for number in range(1, plan.rounds + 1):
                 run.rounds.append(await flood_round(pool, http, depths, model, plan, number))
+            run.sustained = await sustained(pool, http, depths, model, plan)
     finally:
         await depths.aredis.aclose()
     return run
@@ -431,6 +526,19 @@ def print_report(run: Run, plan: Plan) -> bool:
     print(f"p99 TTFT accepted / p99 of {plan.bound} requests at once without a flood  "
           f"{worst_p99 / at_bound:.2f} ({at_bound * 1000:.0f} ms: what admission can at best "
           f"keep; {len(run.at_bound_ttfts)} of {plan.bound} accepted)")  # fmt: skip
+    floor = percentile(run.floor_ttfts, 99)
+    print(f"floor: p99 TTFT of {plan.bound} requests beside {plan.flood - plan.bound} the router "
+          f"answers 404 (no admission)  {floor * 1000:.0f} ms = {floor / lone:.2f}x lone "
+          f"({len(run.floor_ttfts)} of {plan.bound} accepted): the least a flood of this size "
+          "costs the accepted here, whatever admission does")  # fmt: skip
+    if run.sustained is not None:
+        sus = run.sustained
+        per = sus.router_cpu_s / max(1, sum(sus.statuses.values())) * 1000
+        print(f"sustained overload ({SUSTAINED_CLIENTS} clients, closed loop, pool held full, "
+              f"{sus.seconds:.1f} s): {sus.refused / sus.seconds:.0f} refusals/s, statuses "
+              f"{dict(sorted(sus.statuses.items()))}, router CPU {per:.2f} ms a request "
+              f"(busy hold {plan.busy_hold_ms if plan.busy_hold_ms is not None else 'default'} "
+              "ms)")  # fmt: skip
     print("RSS growth round 1 -> last: "
           + ", ".join(f"{n} {g:+.1f} MiB" for n, g in judged.items())
           + f" (tolerance max({GROWTH_TOLERANCE_MIB:g} MiB, "
@@ -450,6 +558,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bound", type=int, default=0,
                    help="MLXCEL_MAX_INFLIGHT (default: 2 workers x --batch-size)")  # fmt: skip
     p.add_argument("--batch-size", type=int, default=32, help="MLXCEL_BATCH_SIZE per worker")
+    p.add_argument("--busy-hold-ms", type=float, default=None,
+                   help="MLXCEL_BUSY_HOLD_MS (default: the pool's)")  # fmt: skip
     p.add_argument("--work-dir", default=None, help="keep the pool's logs here")
     p.add_argument("--json", default=None, help="write every reply and sample here")
     return p.parse_args(argv)
@@ -475,6 +585,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  logs in {work / 'logs'}; tracebacks: {tracebacks}", file=sys.stderr)
     met = print_report(run, plan)
     write_json(args.json, {"plan": plan, "goal_met": met, "lone_ttfts": run.lone_ttfts,
+                           "at_bound_ttfts": run.at_bound_ttfts,
+                           "floor_ttfts": run.floor_ttfts, "sustained": run.sustained,
                            "baseline_rss_mib": run.baseline_rss_mib,
                            "rounds": run.rounds})  # fmt: skip
     return 0
