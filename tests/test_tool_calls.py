@@ -1,11 +1,11 @@
 """Chat for tools and agents: every role, `tools` / `tool_choice` / `chat_template_kwargs` reaching
 the chat template, and tool calls parsed from the output (router.tool_calls) into `tool_calls`.
 
-The tiny model has random weights and a 1024-token vocabulary with no tool-call tokens, and a
-static logit_bias forces one token, not a sequence: it cannot be made to write a tool call. So
-the parsing is tested on mlx-lm's real parsers with real text, and end to end through a router
-whose worker the test plays (tests.test_router_relay), writing a tool call as text deltas split
-mid-marker; a real pool shows the template rendering tools, roles and template variables.
+The tiny model has random weights and a 1024-token vocabulary with no tool-call tokens: left to
+itself it never writes a tool call. So the parsing is tested on mlx-lm's real parsers with real
+text, end to end through a router whose worker the test plays (tests.test_router_relay), writing
+a tool call as text deltas split mid-marker, and on a real pool: the template rendering tools,
+roles and template variables, and a call the model writes under a regex response_format.
 """
 
 # The relay fixtures are imported by name and taken as arguments of the same name.
@@ -334,3 +334,45 @@ def test_pool_serves_a_tool_conversation(real_pool: Any, hf: Any, model_id: str)
         choice = out["choices"][0]
         assert choice["finish_reason"] in ("stop", "length")
         assert isinstance(choice["message"]["content"], str)
+
+
+# The call the model is made to write: a regex response_format leaves it one choice of city,
+# so the text it writes is its own (sampled from its logits through the mask), a real tool call.
+CALL_REGEX = (
+    r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome|Oslo)"\}\}'
+    r"</tool_call>"
+)
+
+
+def test_a_tool_call_the_model_writes_is_parsed(real_pool: Any, model_id: str) -> None:
+    """The tiny model writes a tool call (its output constrained by a regex): the router parses
+    it into `tool_calls` with finish_reason "tool_calls", streamed as deltas and not."""
+    fmt = {"type": "regex", "regex": CALL_REGEX}
+    body = {"model": model_id, "messages": [{"role": "user", "content": "Weather?"}],
+            "chat_template": TOOLS_TEMPLATE, "tools": [WEATHER], "max_tokens": 64,
+            "temperature": 0, "response_format": fmt}  # fmt: skip
+    resp = httpx.post(f"{real_pool.url}/v1/chat/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"]
+    assert call["function"]["name"] == "get_weather"
+    args = json.loads(call["function"]["arguments"])
+    assert set(args) == {"city"} and args["city"] in ("Paris", "Rome", "Oslo")
+    assert not choice["message"]["content"]  # the call's text is never content
+
+    chunks = []
+    with httpx.stream("POST", f"{real_pool.url}/v1/chat/completions",
+                      json={**body, "stream": True}, timeout=60) as streamed:  # fmt: skip
+        assert streamed.status_code == 200
+        for line in streamed.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    calls = [tc for d in deltas for tc in d.get("tool_calls") or []]
+    assert calls and calls[0]["function"]["name"] == "get_weather"
+    streamed_args = "".join(tc["function"].get("arguments") or "" for tc in calls)
+    assert json.loads(streamed_args) == args  # greedy: the same call as the one above
+    assert not "".join(d.get("content") or "" for d in deltas)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
