@@ -36,7 +36,8 @@ MAX_STOP_SEQUENCES = 16
 MAX_CHARS_PER_TOKEN = 64
 MAX_MESSAGES = 2048
 # Choices one request may ask for: n per prompt, times the prompts of a completions list. Each
-# choice is its own sequence in a worker's batch (and its own reservation at admission).
+# choice is its own sequence in a worker's batch (and its own reservation at admission); the
+# choices of one prompt are placed together and share its prefill.
 MAX_CHOICES = 16
 MAX_PROMPTS = 16
 MAX_TOTAL_CHOICES = 64
@@ -67,6 +68,8 @@ class Admission:
     request: GenerationRequest | None = None  # the first choice's
     # Every choice, in OpenAI's index order (prompt by prompt, n each); [request] when one.
     requests: list[GenerationRequest] = field(default_factory=list)
+    # Completions `echo`: each choice's prompt text, which its text starts with; None: no echo.
+    echo: list[str] | None = None
     message: str = ""
     param: str | None = None
     retry_after_s: int | None = None
@@ -117,8 +120,6 @@ _TOKEN_ID = re.compile(r"[0-9]{1,10}")
 def _check_refused_fields(body: CompletionRequest | ChatCompletionRequest) -> None:
     """Fields this pool does not serve: a value that asks for them is a 400, never ignored."""
     if isinstance(body, CompletionRequest):
-        if body.echo:
-            raise _invalid("'echo' is not supported (prompt logprobs are not served).", "echo")
         if body.best_of not in (None, 1):
             raise _invalid("Only best_of=1 is supported.", "best_of")
         if body.suffix:
@@ -214,18 +215,27 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
 
 
 def _max_tokens(
-    requested: int | None, param: str, prompt_len: int, prompt_param: str, ctx: AdmissionContext
+    requested: int | None,
+    param: str,
+    prompt_len: int,
+    prompt_param: str,
+    ctx: AdmissionContext,
+    echo: bool = False,
 ) -> int:
+    """The completion's token budget; 0 only with completions' `echo` (just the prompt back,
+    and its logprobs when asked: OpenAI's way to score a text)."""
     context = ctx.tokenizer.context_length
-    if requested is not None and requested < 1:
-        raise _invalid(f"'{param}' must be at least 1, got {requested}.", param)
+    if requested is not None and requested < (0 if echo else 1):
+        also = "" if echo or requested < 0 else " (0 only with 'echo': true)"
+        raise _invalid(f"'{param}' must be at least {0 if echo else 1}{also}, got {requested}.",
+                       param)  # fmt: skip
     if requested is not None and requested > context:
         raise _invalid(
             f"'{param}' is {requested}, above the model's context length of {context}.", param
         )
     room = context - prompt_len
     wanted = requested if requested is not None else min(ctx.default_max_tokens, room)
-    if room < 1 or prompt_len + wanted > context:
+    if room < (0 if requested == 0 else 1) or prompt_len + wanted > context:
         raise _Refused(
             Outcome.CONTEXT_EXCEEDED,
             f"This model's maximum context length is {context} tokens. However, you requested "
@@ -246,6 +256,15 @@ def _completion_prompts(body: CompletionRequest, tok: PromptTokenizer) -> list[l
     return [_prompt_tokens(prompt, tok)]
 
 
+def _echo_texts(body: CompletionRequest, tok: PromptTokenizer) -> list[str]:
+    """`echo`: each prompt's text, as `_completion_prompts` splits them: a string as sent, token
+    ids decoded."""
+    prompt = body.prompt
+    batch = isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list)
+    prompts = list(prompt) if batch else [prompt]
+    return [p if isinstance(p, str) else tok.decode(list(p)) for p in prompts]
+
+
 def _prompt_tokens(prompt: str | list[int], tok: PromptTokenizer) -> list[int]:
     if isinstance(prompt, str):
         _fits_before_tokenizing(len(prompt), "prompt", tok)
@@ -261,7 +280,12 @@ def _prompt_tokens(prompt: str | list[int], tok: PromptTokenizer) -> list[int]:
 
 def _choices(first: GenerationRequest, n: int) -> list[GenerationRequest]:
     """n sequences of one prompt: the first as built, the others under their own request ids
-    and, when seeded, seeds of their own (seed + i), so sampled choices differ reproducibly."""
+    and, when seeded, seeds of their own (seed + i), so sampled choices differ reproducibly.
+    With n > 1 they form one group (the first's request id): placed on one worker together,
+    which computes their prompt once."""
+    if n == 1:
+        return [first]
+    first = replace(first, group=first.request_id)
     out = [first]
     for i in range(1, n):
         seed = None if first.seed is None else (first.seed + i) % (MAX_SEED + 1)
@@ -412,6 +436,10 @@ def admit_completion(body: CompletionRequest, ctx: AdmissionContext) -> Admissio
         _check_refused_fields(body)
         _stop_list(body.stop)
         controls = _sampling_controls(body, ctx.tokenizer)
+        echo = bool(body.echo)
+        # echo with logprobs: the prompt's tokens' logprobs too (the worker's scoring pass).
+        controls["prompt_logprobs"] = controls["logprobs"] if echo else None
+        controls["echo"] = echo
         prompts = _completion_prompts(body, ctx.tokenizer)
         n = body.n or 1
         if len(prompts) * n > MAX_TOTAL_CHOICES:
@@ -420,9 +448,11 @@ def admit_completion(body: CompletionRequest, ctx: AdmissionContext) -> Admissio
         param, requested = _requested_max_tokens(body)
         gens: list[GenerationRequest] = []
         for tokens in prompts:
-            max_tokens = _max_tokens(requested, param, len(tokens), "prompt", ctx)
+            max_tokens = _max_tokens(requested, param, len(tokens), "prompt", ctx, echo)
             gens += _choices(_build(ctx.model_id, body, tokens, max_tokens, "", controls), n)
-        return Admission(Outcome.ADMIT, gens[0], requests=gens)
+        texts = _echo_texts(body, ctx.tokenizer) if echo else None
+        per_choice = [texts[i // n] for i in range(len(gens))] if texts else None
+        return Admission(Outcome.ADMIT, gens[0], requests=gens, echo=per_choice)
     except _Refused as refused:
         return refused.admission
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,11 +159,18 @@ class AdmissionLedger:
         self.gate = BusyGate(config.busy_hold_ms / 1000)
 
     def reserve(
-        self, request_id: str, prompt_tokens: int, model_id: str, members: list[bytes]
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        model_id: str,
+        members: list[bytes],
+        siblings: Sequence[str] = (),
     ) -> Placement | Refusal:
         """Admit and place the request (blocking: call it off the event loop): a Placement, or
         a Refusal when the pool is at a bound. `members` are the prompt's block index members
-        (shared.block_hash.index_members), in order."""
+        (shared.block_hash.index_members), in order. `siblings`: the request ids of the other
+        choices of its prompt, admitted and placed with it on the same worker (each holds its
+        own reservation, released by its own id), or refused with it."""
         c, r = self.config, self.routing
         t = keys.WORKER_KEY_TEMPLATES
         reply = self._place(
@@ -173,16 +181,20 @@ class AdmissionLedger:
                   t["info"], t["blocks"], t["routed"], t["load"], t["prefill"], model_id,
                   r.policy, self.block_size, self.min_match, r.decode_weight,
                   r.balance_abs_threshold, r.balance_rel_threshold, keys.ROUTED_TTL_S * 1000,
-                  *members],
+                  len(siblings), *siblings, *members],
         )  # fmt: skip
         if int(reply[0]) != 1:
             refusal = Refusal(_text(reply[1]), int(reply[2]), int(reply[3]))
-            if refusal.reason == "inflight":
+            # Too many choices for the places left is no sign of a full pool: a lone request
+            # would still fit, so the door stays open.
+            too_many = refusal.current < refusal.bound < refusal.current + 1 + len(siblings)
+            if refusal.reason == "inflight" and not too_many:
                 pool_wide = 0 < c.max_inflight <= refusal.bound
                 self.gate.close(model_id, refusal.message(), pool_wide)
             return refusal
         placement = Placement(_text(reply[1]), _text(reply[2]), int(reply[3]), int(reply[4]))
-        self._held[request_id] = placement.worker_id
+        for rid in (request_id, *siblings):
+            self._held[rid] = placement.worker_id
         if int(reply[7]):
             self._marks[request_id] = (placement.worker_id, int(reply[7]), members)
         return placement

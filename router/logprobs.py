@@ -30,12 +30,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One sampled token, as the worker reported it."""
+    """One sampled token (or, with completions' echo, prompt token), as the worker reported it."""
 
     token: int
-    logprob: float
-    top: list[tuple[int, float]]  # the most likely tokens, most likely first
-    offset: int  # characters of completion text before this token's delta
+    logprob: float | None  # None: a prompt's first token (nothing before it to condition on)
+    top: list[tuple[int, float]] | None  # the most likely tokens, most likely first
+    offset: int  # characters of text before this token's delta (the echoed prompt: 0)
 
 
 def from_event(token_ids: list[int], entries: list[list[Any]], offset: int) -> list[TokenLogprob]:
@@ -153,9 +153,9 @@ class LogprobRenderer:
 
     def _chat(self, tokens: list[TokenLogprob]) -> dict[str, Any]:
         content = []
-        for t in tokens:
-            item = self._chat_item(t.token, t.logprob)
-            item["top_logprobs"] = [self._chat_item(tid, lp) for tid, lp in t.top]
+        for t in tokens:  # chat has no echo: every token has its logprob
+            item = self._chat_item(t.token, t.logprob or 0.0)
+            item["top_logprobs"] = [self._chat_item(tid, lp) for tid, lp in t.top or []]
             content.append(item)
         return {"content": content}
 
@@ -180,8 +180,11 @@ class LogprobRenderer:
 
     def _completion(self, tokens: list[TokenLogprob], end: int | None) -> dict[str, Any]:
         text_of = self.table.text_of
-        tops = []
+        tops: list[dict[str, float] | None] = []
         for t in tokens:
+            if t.logprob is None or t.top is None:  # an echoed prompt's first token
+                tops.append(None)
+                continue
             top = {text_of(tid): lp for tid, lp in t.top}
             top.setdefault(text_of(t.token), t.logprob)  # the sampled token is always listed
             tops.append(top)

@@ -103,9 +103,10 @@ class CompletionRequest(_SamplingFields):
     # A string, token ids, or a one-element list of either (admission rejects longer lists).
     prompt: Text | list[int] | list[Text] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
-    # Not served; admission refuses a value that asks for them (echo: true, best_of > 1, a
-    # suffix) instead of ignoring it.
+    # The prompt's text (and, with logprobs, its tokens' logprobs) before the completion's.
     echo: bool | None = None
+    # Not served; admission refuses a value that asks for them (best_of > 1, a suffix) instead
+    # of ignoring it.
     best_of: int | None = None
     suffix: Text | None = None
 

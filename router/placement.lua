@@ -2,7 +2,9 @@
 --
 -- Admits a request against the pool's bounds, picks the live worker of its model that should
 -- run it, and reserves both before returning: two routers can never both book the last slot or
--- the same idle worker, and nothing is enqueued for a request that was refused.
+-- the same idle worker, and nothing is enqueued for a request that was refused. A request's
+-- siblings (the other choices of its prompt, `n` > 1) are admitted and placed with it, on the
+-- same worker, or refused with it: that worker computes their shared prompt once.
 --
 -- KEYS: 1 admission inflight zset, 2 admission queued hash, 3 worker roster set,
 --       4 routing stats hash, 5 round-robin cursor
@@ -11,7 +13,8 @@
 --       8 info key template, 9 blocks key template, 10 routed template, 11 load template,
 --       12 prefill template, 13 model id, 14 policy, 15 block size, 16 min useful match,
 --       17 decode weight (tokens per running sequence), 18 balance abs, 19 balance rel,
---       20 routed ttl ms, 21.. the prompt's block index members, in order
+--       20 routed ttl ms, 21 k: how many siblings, 22..21+k their request ids,
+--       22+k.. the prompt's block index members, in order
 -- Returns {1, outcome, worker id or '', predicted cached tokens, cost, inflight, bound,
 --          the routed marks' score (0: none written)}
 --      or {0, 'inflight' | 'tokens', current, bound}
@@ -43,8 +46,11 @@ local block_size, min_match = tonumber(ARGV[15]), tonumber(ARGV[16])
 local decode_weight = tonumber(ARGV[17])
 local balance_abs, balance_rel = tonumber(ARGV[18]), tonumber(ARGV[19])
 local routed_ttl = tonumber(ARGV[20])
+local siblings, k = {}, tonumber(ARGV[21])
+for i = 22, 21 + k do siblings[#siblings + 1] = ARGV[i] end
 local members = {}
-for i = 21, #ARGV do members[#members + 1] = ARGV[i] end
+for i = 22 + k, #ARGV do members[#members + 1] = ARGV[i] end
+local count = 1 + k  -- places in flight the request takes
 
 -- The live workers of the model, each with its load (its lapsed placements purged first).
 local live = {}
@@ -72,14 +78,15 @@ if per_worker > 0 and #live > 0 and (limit == 0 or per_worker * #live < limit) t
   limit = per_worker * #live
 end
 local n = redis.call('ZCARD', KEYS[1])
-if limit > 0 and n >= limit then return {0, 'inflight', n, limit} end
+if limit > 0 and n + count > limit then return {0, 'inflight', n, limit} end
 if max_queued > 0 then
   local queued = 0
   for _, v in ipairs(redis.call('HVALS', KEYS[2])) do queued = queued + tonumber(v) end
   if queued > 0 and queued + prompt > max_queued then return {0, 'tokens', queued, max_queued} end
 end
 
--- Workers below their own bound.
+-- Workers below their own bound (a request's siblings ride with it: they may take its worker
+-- up to k past the bound, as they cost it no prefill of their own).
 local open = {}
 for _, w in ipairs(live) do
   if per_worker == 0 or w.running < per_worker then open[#open + 1] = w end
@@ -150,12 +157,17 @@ if #open > 0 then
 end
 
 -- Reserve: the pool's ledger, then the worker's load and the blocks now on their way to it.
-redis.call('ZADD', KEYS[1], now + ttl, rid)
+-- The prompt's tokens wait once (its siblings compute none of them).
+local function reserve(zset)
+  redis.call('ZADD', zset, now + ttl, rid)
+  for _, sid in ipairs(siblings) do redis.call('ZADD', zset, now + ttl, sid) end
+end
+reserve(KEYS[1])
 if prompt > 0 then redis.call('HSET', KEYS[2], rid, prompt) end
 redis.call('HINCRBY', KEYS[4], 'decisions:' .. outcome, 1)
-if chosen == nil then return {1, outcome, '', 0, 0, n + 1, limit, 0} end
+if chosen == nil then return {1, outcome, '', 0, 0, n + count, limit, 0} end
 local load, prefill = key(ARGV[11], chosen.wid), key(ARGV[12], chosen.wid)
-redis.call('ZADD', load, now + ttl, rid)
+reserve(load)
 redis.call('HSET', prefill, rid, prompt - chosen.cached)
 redis.call('PEXPIRE', load, routed_ttl)
 redis.call('PEXPIRE', prefill, routed_ttl)
@@ -174,6 +186,8 @@ if #members > 0 and policy == 'cache_aware' then
   end
   redis.call('PEXPIRE', routed, routed_ttl)
 end
-redis.call('HINCRBY', KEYS[4], 'predicted_tokens:' .. chosen.wid, chosen.cached)
-redis.call('HINCRBY', KEYS[4], 'routed:' .. chosen.wid, 1)
-return {1, outcome, chosen.wid, chosen.cached, cost, n + 1, limit, routed_score}
+-- Each sibling is expected to reuse the whole prompt but its last token, from the first.
+local shared = math.max(prompt - 1, 0)
+redis.call('HINCRBY', KEYS[4], 'predicted_tokens:' .. chosen.wid, chosen.cached + k * shared)
+redis.call('HINCRBY', KEYS[4], 'routed:' .. chosen.wid, count)
+return {1, outcome, chosen.wid, chosen.cached, cost, n + count, limit, routed_score}

@@ -76,6 +76,11 @@ class PromptTokenizer:
         with self.pool.borrow() as hf:
             return list(hf.encode(text))
 
+    def decode(self, tokens: list[int]) -> str:
+        """Token ids as text (completions `echo` of a prompt sent as ids)."""
+        with self.pool.borrow() as hf:
+            return str(hf.decode(tokens))
+
     def encode_chat(
         self,
         messages: list[dict[str, Any]],

@@ -39,6 +39,8 @@ MAX_GRAMMAR_BYTES = 256 * 1024
 GRAMMAR_LIMITS: dict[str, int] = {"initial_lexer_fuel": 100_000}
 # A logprob below this (or -inf, which JSON cannot carry) is reported as this (OpenAI's floor).
 LOGPROB_FLOOR = -9999.0
+# The longest group id a request may carry (the router writes its first choice's request id).
+MAX_GROUP_CHARS = 128
 
 
 def pack(obj: Any) -> bytes:
@@ -56,7 +58,7 @@ class WireError(ValueError):
 # Wire types are exact (`type(v) in types`): msgpack only makes builtins, and bool is no int here.
 _NUMBER = (int, float)
 _TYPE_NAMES = {int: "an int", float: "a float", str: "a str", list: "a list", dict: "a map",
-               type(None): "nil"}  # fmt: skip
+               bool: "a bool", type(None): "nil"}  # fmt: skip
 
 
 def _unpack_message(cls: type, data: Any) -> Any:
@@ -133,6 +135,12 @@ class GenerationRequest:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     # None: no logprobs; k: each sampled token's logprob and its k most likely alternatives.
     logprobs: int | None = None
+    # None: none; k: each prompt token's logprob (given the tokens before it) and its k most
+    # likely alternatives, sent with the `start` event (completions `echo` with `logprobs`).
+    prompt_logprobs: int | None = None
+    # Completions `echo`: the output's text continues the prompt's, so it is detokenized after
+    # the prompt's last token (a text that starts an output loses its first leading space).
+    echo: bool = False
     stop: list[str] = field(default_factory=list)
     # response_format as one llguidance grammar (None: unconstrained), enforced while decoding.
     grammar: str | None = None
@@ -141,21 +149,35 @@ class GenerationRequest:
     template_signature: str = ""
     adapter_id: str = ""
     enqueued_at: float = 0.0
+    # The choices of one prompt (`n` > 1) share this id, their first choice's request id: the
+    # router places them on one worker, which computes the prompt once for all of them. "": alone.
+    group: str = ""
 
     WIRE_TYPES: ClassVar[dict[str, tuple[type, ...]]] = {
         "request_id": (str,), "model": (str,), "prompt_tokens": (list,), "max_tokens": (int,),
         "temperature": _NUMBER, "top_p": _NUMBER, "seed": (int, type(None)), "top_k": (int,),
         "min_p": _NUMBER, "repetition_penalty": _NUMBER, "presence_penalty": _NUMBER,
         "frequency_penalty": _NUMBER, "logit_bias": (dict,), "logprobs": (int, type(None)),
-        "stop": (list,), "grammar": (str, type(None)),
+        "prompt_logprobs": (int, type(None)), "echo": (bool,), "stop": (list,),
+        "grammar": (str, type(None)),
         "session_key": (str,), "template_signature": (str,), "adapter_id": (str,),
-        "enqueued_at": _NUMBER,
+        "enqueued_at": _NUMBER, "group": (str,),
+    }  # fmt: skip
+
+    # Fields left out of the wire at their default, so a worker from before them still reads
+    # the requests that do not use them (a rolling upgrade mixes versions for a while).
+    OMITTED_AT_DEFAULT: ClassVar[dict[str, Any]] = {
+        "group": "", "prompt_logprobs": None, "echo": False,
     }  # fmt: skip
 
     def to_wire(self) -> dict[str, Any]:
         # A shallow copy, not asdict, which deep-copies every prompt token on the router's
         # enqueue path: rq packs this dict right away, so sharing the token list is harmless.
-        return dict(vars(self))
+        wire = dict(vars(self))
+        for name, default in self.OMITTED_AT_DEFAULT.items():
+            if wire[name] == default and type(wire[name]) is type(default):
+                del wire[name]
+        return wire
 
     @classmethod
     def from_wire(cls, data: Any) -> GenerationRequest:
@@ -168,8 +190,8 @@ class GenerationRequest:
             raise WireError(
                 "GenerationRequest: prompt_tokens must be a non-empty list of ints >= 0"
             )
-        if req.max_tokens < 1:
-            raise WireError(f"GenerationRequest: max_tokens must be >= 1, got {req.max_tokens}")
+        if req.max_tokens < 0:  # 0: no token generated (the prompt's logprobs only, if asked)
+            raise WireError(f"GenerationRequest: max_tokens must be >= 0, got {req.max_tokens}")
         try:
             numbers = float(req.temperature), float(req.top_p), float(req.enqueued_at)
         except OverflowError as exc:
@@ -192,6 +214,10 @@ class GenerationRequest:
         if req.grammar is not None and not 0 < _utf8_size(req.grammar) <= MAX_GRAMMAR_BYTES:
             raise WireError(
                 f"GenerationRequest: grammar must be nil or 1 to {MAX_GRAMMAR_BYTES} UTF-8 bytes"
+            )
+        if len(req.group) > MAX_GROUP_CHARS:
+            raise WireError(
+                f"GenerationRequest: group must be at most {MAX_GROUP_CHARS} characters"
             )
         return req
 
@@ -222,11 +248,12 @@ class GenerationRequest:
             bias[token] = _as_float(cls, "logit_bias", value)
             _in_range(cls, "logit_bias", bias[token], -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
         self.logit_bias = bias
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise WireError(
-                f"GenerationRequest: logprobs must be nil or in [0, {MAX_TOP_LOGPROBS}], "
-                f"got {self.logprobs}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+                raise WireError(
+                    f"GenerationRequest: {name} must be nil or in [0, {MAX_TOP_LOGPROBS}], got {k}"
+                )
 
 
 EventKind = Literal["start", "delta", "done", "error"]
@@ -250,6 +277,9 @@ class StreamEvent:
     # top alternatives, most likely first], [their logprobs]]` (ids and floats only: the router
     # renders the token strings with its tokenizer). Empty otherwise.
     logprobs: list[list[Any]] = field(default_factory=list)
+    # A `start` of a request that asked for prompt logprobs: one entry (same shape) for each
+    # prompt token after the first, which has no logprob. Empty otherwise.
+    prompt_logprobs: list[list[Any]] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -261,14 +291,21 @@ class StreamEvent:
     KINDS: ClassVar[frozenset[str]] = frozenset({"start", "delta", "done", "error"})
     WIRE_TYPES: ClassVar[dict[str, tuple[type, ...]]] = {
         "kind": (str,), "seq": (int,), "text": (str,), "token_ids": (list,),
-        "logprobs": (list,), "finish_reason": (str, type(None)), "prompt_tokens": (int,),
+        "logprobs": (list,), "prompt_logprobs": (list,), "finish_reason": (str, type(None)),
+        "prompt_tokens": (int,),
         "completion_tokens": (int,), "cached_tokens": (int,),
         "worker_id": (str,), "error": (str,), "error_type": (str,),
     }  # fmt: skip
 
     def to_wire(self) -> bytes:
-        # Packed once per token: the instance dict as it is, not asdict's deep copy.
-        return pack(vars(self))
+        # Packed once per token: the instance dict as it is, not asdict's deep copy; without
+        # prompt_logprobs unless a start carries some, so a router from before that field still
+        # reads every other request's events.
+        fields = vars(self)
+        if not self.prompt_logprobs:
+            fields = fields.copy()
+            del fields["prompt_logprobs"]
+        return pack(fields)
 
     @classmethod
     def from_wire(cls, data: bytes) -> StreamEvent:
@@ -283,6 +320,11 @@ class StreamEvent:
                 "per token id (finite floats, ids >= 0, at most "
                 f"{MAX_TOP_LOGPROBS} alternatives)"
             )
+        if ev.prompt_logprobs and not _valid_entries(ev.prompt_logprobs):
+            raise WireError(
+                "StreamEvent: prompt_logprobs must hold [logprob, [token ids], [logprobs]] "
+                f"entries (finite floats, ids >= 0, at most {MAX_TOP_LOGPROBS} alternatives)"
+            )
         return ev
 
 
@@ -291,8 +333,10 @@ def _finite_floats(values: list[Any]) -> bool:
 
 
 def _valid_logprobs(entries: list[Any], tokens: int) -> bool:
-    if len(entries) != tokens:
-        return False
+    return len(entries) == tokens and _valid_entries(entries)
+
+
+def _valid_entries(entries: list[Any]) -> bool:
     for entry in entries:
         if type(entry) is not list or len(entry) != 3:
             return False

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from shared.config import load_settings
@@ -556,3 +557,181 @@ def test_fast_start_with_one_token_budget_finishes_in_admit(tiny: Model) -> None
     assert_length_finish(warm, "B", reference_tokens(tiny, prompt_b, 1))
     assert admitted.counters["inserts"] == 1  # the prompt's KV, donated
     assert block_refs(pc) == block_refs_held_by_entries(pc)  # B's pin released
+
+
+# -- the choices of one prompt (a group) compute it once ----------------------------------------
+GROUP_PROMPT = [(31 + i * 17) % 900 + 5 for i in range(200)]
+
+
+def group_specs(n: int, prompt: list[int] = GROUP_PROMPT, **kw: Any) -> list[GenerationRequest]:
+    """n choices of one prompt as the router writes them: one group (the first's id), a seeded
+    choice i with seed + i."""
+    seed = kw.pop("seed", None)
+    return [
+        spec(f"g{i}", prompt, group="g0", seed=None if seed is None else seed + i, **kw)
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize(
+    "sampling", [{}, {"temperature": 0.9, "seed": 7}], ids=["greedy", "seeded"]
+)
+def test_a_groups_prompt_is_computed_once_and_each_choice_runs_as_alone(
+    tiny: Model, sampling: dict[str, Any]
+) -> None:
+    specs = group_specs(4, **sampling)
+    lone = [alone(tiny, s) for s in specs]
+    engine = make_engine(tiny)
+    run = Run()
+    for s in specs:
+        run.add(engine.admit(s))
+    # The first prefills; the others wait for it, unannounced, holding their slots.
+    assert engine.active == 4 and engine.free_slots == settings().worker.batch_size - 4
+    assert [engine.find(s.request_id).status for s in specs[1:]] == [RequestStatus.WAITING] * 3
+    assert run.kinds("g0") == ["start"] and all(run.kinds(s.request_id) == [] for s in specs[1:])
+    run_until_done(engine, 60, run)
+
+    shared = len(GROUP_PROMPT) - 1
+    for s, want in zip(specs, lone, strict=True):
+        rid = s.request_id
+        assert_length_finish(run, rid, want.tokens(rid))
+        assert run.text(rid) == want.text(rid)
+        cached = 0 if rid == "g0" else shared  # a sibling reports the prompt it reused
+        assert run.events[rid][0].cached_tokens == cached
+        assert run.last(rid).cached_tokens == run.ended[rid].result()["cached_tokens"] == cached
+    if sampling:  # their own seeds: the choices differ
+        assert len({tuple(run.tokens(s.request_id)) for s in specs}) > 1
+    c = run.counters
+    # The prompt computed once: what one request alone prefills, for the four.
+    assert c["batch_prefill_tokens"] == lone[0].counters["batch_prefill_tokens"] > 0
+    assert (c["requests"], c["prompt_tokens"]) == (4, 4 * len(GROUP_PROMPT))
+    assert c["completion_tokens"] == 4 * MAX_TOKENS
+
+
+def test_a_choice_arriving_after_the_prefill_starts_from_a_copy_at_once(tiny: Model) -> None:
+    first, late = group_specs(2)
+    engine = make_engine(tiny)
+    run = Run()
+    run.add(engine.admit(first))
+    step_until(engine, run, "g0", 3)
+    admitted = run.add(engine.admit(late))
+    start = admitted.events[engine.find("g1")][0]
+    assert (start.kind, start.cached_tokens) == ("start", len(GROUP_PROMPT) - 1)
+    before = run.counters["batch_prefill_tokens"]
+    run_until_done(engine, 60, run)
+    assert run.counters["batch_prefill_tokens"] == before  # g1 computed no prompt token
+    assert_length_finish(run, "g1", alone(tiny, late).tokens("g1"))
+    assert_length_finish(run, "g0", alone(tiny, first).tokens("g0"))
+
+
+@pytest.mark.parametrize("how", ["cancelled", "timed_out"])
+def test_when_the_first_of_a_group_ends_early_the_others_are_served(tiny: Model, how: str) -> None:
+    clock = FakeClock()
+    engine = make_engine(tiny, clock=clock)
+    specs = group_specs(4)
+    run = Run()
+    run.add(engine.admit(specs[0], timeout_s=5 if how == "timed_out" else None))
+    for s in specs[1:]:
+        run.add(engine.admit(s))
+    run.add(engine.cancel("g3"))  # a waiting one cancelled: it just leaves
+    assert run.ended["g3"].status is RequestStatus.CANCELLED and run.kinds("g3") == []
+    if how == "cancelled":
+        run.add(engine.cancel("g0"))
+        assert run.ended["g0"].status is RequestStatus.CANCELLED
+        # The next in line computes the prompt now, and the last waits on it in turn.
+        assert engine.find("g1").status is RequestStatus.PREFILLING
+        assert engine.find("g2").status is RequestStatus.WAITING
+    else:  # expired at the step's start: g1 takes its place and prefills in that step
+        clock.advance(6)
+        run.add(engine.step())
+        assert_failed(run, "g0", "timeout")
+    run_until_done(engine, 60, run)
+    want = alone(tiny, specs[1])
+    for rid, cached in (("g1", 0), ("g2", len(GROUP_PROMPT) - 1)):
+        assert_length_finish(run, rid, want.tokens("g1"))
+        assert run.last(rid).cached_tokens == cached
+    assert run.counters["batch_prefill_tokens"] == want.counters["batch_prefill_tokens"]
+    assert engine.active == 0
+
+
+def test_a_group_on_a_prompt_cache_hit_shares_the_adopted_prefix(tiny: Model) -> None:
+    pc = make_cache(tiny, "dense")
+    engine = make_engine(tiny, pc)
+    first = Run()
+    first.add(engine.admit(spec("A", LONG)))
+    run_until_done(engine, 40, first)
+    prompt = LONG + first.tokens("A") + [42, 43, 44]
+    specs = group_specs(3, prompt)
+    run = Run()
+    for s in specs:
+        run.add(engine.admit(s))
+    # The first adopts the cached prefix (a dense entry leaves the store) and starts in one
+    # pass; the others copy its KV: one lookup, the prompt's remainder computed once.
+    c = run.counters
+    assert (c["lookups"], c["hits"]) == (1, 1)
+    assert c["batch_prefill_tokens"] == len(prompt) - run.events["g0"][0].cached_tokens
+    run_until_done(engine, 40, run)
+    want = reference_tokens(tiny, prompt, MAX_TOKENS)
+    for s in specs:
+        assert_length_finish(run, s.request_id, want)
+    assert [run.last(s.request_id).cached_tokens for s in specs[1:]] == [len(prompt) - 1] * 2
+
+
+# -- prompt logprobs (completions echo with logprobs) -------------------------------------------
+def test_prompt_logprobs_are_what_a_greedy_continuation_reports(tiny: Model) -> None:
+    cont = alone(tiny, spec("c", P1, max_tokens=8, logprobs=2))
+    reported = [e for ev in cont.events["c"] if ev.kind == "delta" for e in ev.logprobs]
+    prompt = P1 + cont.tokens("c")  # the short prompt and its greedy continuation
+    scored = alone(tiny, spec("s", prompt, prompt_logprobs=2))
+    start = scored.events["s"][0]
+    assert start.kind == "start" and len(start.prompt_logprobs) == len(prompt) - 1
+    # Prompt token i's entry (index i - 1) is what the model reported when it generated it.
+    for got, want in zip(start.prompt_logprobs[len(P1) - 1 :], reported, strict=True):
+        assert got[1] == want[1]  # the same alternatives, in the same order
+        np.testing.assert_allclose([got[0], *got[2]], [want[0], *want[2]], atol=1e-4)
+    # The scoring pass is the prefill: the same tokens, and the prompt computed once.
+    lone = alone(tiny, spec("s", prompt))
+    assert_length_finish(scored, "s", lone.tokens("s"))
+    assert scored.counters["batch_prefill_tokens"] == lone.counters["batch_prefill_tokens"]
+
+    # max_tokens 0: the prompt's logprobs only, ended in admit; its KV goes to the cache.
+    engine = make_engine(tiny, make_cache(tiny, "dense"))
+    only = Run()
+    done = only.add(engine.admit(spec("z", LONG, max_tokens=0, prompt_logprobs=0)))
+    assert [e.request.id for e in done.ended] == ["z"] and engine.active == 0
+    assert only.kinds("z") == ["start", "done"]
+    assert (only.last("z").finish_reason, only.last("z").completion_tokens) == ("length", 0)
+    z = only.events["z"][0].prompt_logprobs
+    assert len(z) == len(LONG) - 1 and all(e[1:] == [[], []] and e[0] <= 0 for e in z)
+    assert done.counters["inserts"] == 1 and done.counters["batch_prefill_tokens"] == len(z)
+
+
+def test_a_group_asking_for_prompt_logprobs_scores_the_prompt_once(tiny: Model) -> None:
+    specs = group_specs(3, LONG, prompt_logprobs=1, echo=True)
+    engine = make_engine(tiny)
+    run = Run()
+    for s in specs:
+        run.add(engine.admit(s))
+    starts = [run.events[s.request_id][0] for s in specs]
+    # The first scores (and so prefills) the prompt in admit; the others take both from it.
+    assert all(len(st.prompt_logprobs) == len(LONG) - 1 for st in starts)
+    assert starts[1].prompt_logprobs == starts[2].prompt_logprobs == starts[0].prompt_logprobs
+    assert [st.cached_tokens for st in starts] == [0, len(LONG) - 1, len(LONG) - 1]
+    assert run.counters["batch_prefill_tokens"] == len(LONG) - 1
+    run_until_done(engine, 40, run)
+    want = alone(tiny, spec("w", LONG, echo=True))
+    assert all(run.tokens(s.request_id) == want.tokens("w") for s in specs)
+    assert all(run.text(s.request_id) == want.text("w") for s in specs)
+    assert run.counters["batch_prefill_tokens"] == len(LONG) - 1
+
+
+def test_an_echoed_completion_keeps_its_leading_space(tiny: Model) -> None:
+    """mlx-lm's detokenizer drops the first leading space of an output; an echoed completion
+    continues the prompt's text, so its text is what decoding prompt and completion gives."""
+    prompt = list(tiny.tokenizer.encode("1, 2, 3, 4, 5,"))
+    echoed = alone(tiny, spec("e", prompt, echo=True))
+    plain = alone(tiny, spec("e", prompt))
+    assert echoed.tokens("e") == plain.tokens("e")
+    whole = tiny.tokenizer.decode(prompt + echoed.tokens("e"))
+    assert tiny.tokenizer.decode(prompt) + echoed.text("e") == whole
+    assert echoed.text("e").startswith(" ") and echoed.text("e")[1:] == plain.text("e")

@@ -66,6 +66,8 @@ def test_malformed_jobs_fail_alone_and_the_worker_serves_on(redis_url: str, star
         "grammar that does not compile": _bad_payload(
             r, {"request": _request(grammar="start: undefined_rule")}
         ),
+        "group not a str": _bad_payload(r, {"request": _request(group=["g"])}),
+        "group too long": _bad_payload(r, {"request": _request(group="g" * 1000)}),
     }
     # What each payload's error must name (the decoder's or the engine's words): the field
     # that is wrong, never a missing request id.
@@ -77,6 +79,8 @@ def test_malformed_jobs_fail_alone_and_the_worker_serves_on(redis_url: str, star
         "token id past the vocab": "vocab",
         "grammar not a str": "grammar",
         "grammar that does not compile": "grammar",
+        "group not a str": "group",
+        "group too long": "group",
     }
     r.rpush(queue.key, uuid.uuid4().hex)  # an id whose job hash does not exist at all
     good = enqueue(r, PROMPT, max_tokens=6)

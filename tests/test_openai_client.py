@@ -231,6 +231,31 @@ def test_completion_logprobs_typed_streamed_and_not(client: openai.OpenAI, model
     assert values == pytest.approx(lp.token_logprobs, abs=1e-5)
 
 
+def test_echo_returns_the_prompt_and_its_tokens_logprobs(client: openai.OpenAI, model: str) -> None:
+    args: dict[str, Any] = {"model": model, "prompt": COUNT, "max_tokens": N, "logprobs": 1,
+                            "temperature": 0}  # fmt: skip
+    plain = client.completions.create(**args).choices[0]
+    out = client.completions.create(**args, echo=True).choices[0]
+    assert out.text.startswith(COUNT) and out.text.endswith(plain.text)
+    lp, plain_lp = out.logprobs, plain.logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs
+    assert plain_lp is not None and plain_lp.token_logprobs is not None
+    k = len(lp.tokens) - N  # the prompt's tokens come first, the first without a logprob
+    assert "".join(lp.tokens[:k]) == COUNT and lp.tokens[k:] == plain_lp.tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[k:] == pytest.approx(plain_lp.token_logprobs, abs=1e-4)
+    # max_tokens 0 scores the prompt alone.
+    scored = client.completions.create(model=model, prompt=COUNT, max_tokens=0, echo=True,
+                                       logprobs=0).choices[0]  # fmt: skip
+    assert scored.text == COUNT and scored.finish_reason == "length"
+    assert scored.logprobs is not None and scored.logprobs.token_logprobs is not None
+    assert scored.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:k], abs=1e-4)
+    # Streamed: the prompt's text comes first, in one chunk.
+    chunks = [c.choices[0].text for c in client.completions.create(**args, echo=True,
+                                                                    stream=True)]  # fmt: skip
+    assert chunks[0] == COUNT and "".join(chunks) == out.text
+
+
 def test_text_offset_of_tokens_sent_together(client: openai.OpenAI, model: str) -> None:
     """Greedy after FOX, this model writes a lone byte (U+FFFD in the text) and then "ind": the
     worker sends both in one delta, and "ind" starts at 1 in "\ufffdind study..."."""
@@ -402,7 +427,6 @@ def test_a_tool_conversation(client: openai.OpenAI, model: str, hf: Any) -> None
 REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("completions", {"best_of": 2}, "best_of"),
     ("completions", {"suffix": "tail"}, "suffix"),
-    ("completions", {"echo": True}, "echo"),
     ("completions", {"logprobs": 6}, "logprobs"),
     ("completions", {"n": 17}, "n"),
     ("chat", {"top_logprobs": 2}, "top_logprobs"),

@@ -140,6 +140,47 @@ def test_after_the_holder_evicts_the_prefix_requests_go_by_load(pool) -> None:
     assert _stats(pool)["decisions:load"] == before + 1
 
 
+def _counters(pool, wid: str) -> dict[str, int]:
+    return {k.decode(): int(v) for k, v in
+            pool.r.hgetall(keys.worker_cache_counters(wid)).items() if v.isdigit()}  # fmt: skip
+
+
+def test_the_choices_of_one_prompt_run_on_one_worker_that_computes_it_once(pool) -> None:
+    """n = 4 over a prompt no worker holds: the four choices are placed together, started on
+    one worker, which prefills the prompt once; the three siblings report what they reused."""
+    prompt = toks(200, 401)
+    before = {w: _counters(pool, w) for w in WORKERS}
+    stats_before = _stats(pool)
+    resp = httpx.post(f"{pool.url}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0, "n": 4})  # fmt: skip
+    assert resp.status_code == 200, resp.text
+    wid = resp.headers[WORKER_HEADER]
+    body = resp.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert len({c["text"] for c in body["choices"]}) == 1  # greedy: four equal choices
+    # The prompt counted once, and its one computation found nothing cached.
+    assert body["usage"]["prompt_tokens"] == len(prompt)
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    stats = _stats(pool)
+
+    def delta(name: str) -> int:
+        return stats.get(name, 0) - stats_before.get(name, 0)
+
+    assert delta(f"started:{wid}") == 4 and delta(f"started:{_other(wid)}") == 0
+    assert delta(f"routed:{wid}") == 4
+    assert delta(f"reused_tokens:{wid}") == 3 * (len(prompt) - 1)  # the siblings' shared prompt
+
+    def worker_delta(w: str, name: str) -> int:
+        return _counters(pool, w).get(name, 0) - before[w].get(name, 0)
+
+    wait_for(lambda: worker_delta(wid, "requests") == 4, 10, "the worker's counters published")
+    # One prefill of the prompt (all but its last token, as for one request alone).
+    assert worker_delta(wid, "batch_prefill_tokens") == len(prompt) - 1
+    assert worker_delta(_other(wid), "requests") == 0
+    routes = [line for line in pool.logs("router").splitlines() if "choices=4" in line]
+    assert len(routes) == 1 and f"worker={wid}" in routes[0]
+
+
 def test_mlxcel_pool_stats_shows_workers_rejects_and_routing(pool) -> None:
     """The operator's terminal view of the same JSON: one row per worker with its heartbeat's
     age, the seven reject reasons, and routing outcomes; --json passes the JSON through."""

@@ -226,3 +226,45 @@ def test_a_paged_workers_match_is_floored_to_its_pages(redis_url: str) -> None:
     r.hset(keys.worker_info("w1"), mapping={"storage_mode": "paged", "paged_block_size": "32"})
     placed = _place(_ledger(redis_url), "a", SYSTEM)
     assert (placed.outcome, placed.predicted_tokens) == ("cache", 32)  # it adopts one page
+
+
+def test_the_choices_of_one_prompt_are_placed_together_or_refused_together(
+    redis_url: str,
+) -> None:
+    """A request's siblings (the other choices of its prompt) are admitted with it and placed on
+    its worker, even past that worker's own bound (they cost it no prefill); past the pool's
+    bound they are refused with it, leaving nothing reserved."""
+    r = redis.Redis.from_url(redis_url)
+    _worker(r, "w1")
+    _worker(r, "w2")
+    ledger = _ledger(redis_url, max_inflight=5, max_inflight_per_worker=3)
+    prompt = SYSTEM + [1] * 12
+    group = ["a", "a1", "a2", "a3"]
+    placed = ledger.reserve("a", len(prompt), MODEL, _members(prompt), group[1:])
+    assert isinstance(placed, Placement) and placed.worker_id
+    wid, other = placed.worker_id, "w2" if placed.worker_id == "w1" else "w1"
+    assert sorted(m.decode() for m in r.zrange(keys.worker_load(wid), 0, -1)) == group
+    assert r.zcard(keys.worker_load(other)) == 0
+    assert all(r.zscore(keys.admission_inflight(), rid) is not None for rid in group)
+    # The prompt waits once: only the first choice has prompt tokens to compute.
+    assert r.hkeys(keys.admission_queued_tokens()) == [b"a"]
+    assert r.hkeys(keys.worker_prefill(wid)) == [b"a"]
+    stats = {k.decode(): int(v) for k, v in r.hgetall(keys.routing_stats()).items()}
+    assert stats[f"routed:{wid}"] == 4 and sum(
+        v for k, v in stats.items() if k.startswith("decisions:")) == 1  # fmt: skip
+    # Each sibling is expected to reuse all of the prompt but its last token.
+    assert stats[f"predicted_tokens:{wid}"] == 3 * (len(prompt) - 1)
+
+    refused = ledger.reserve("b", 10, MODEL, [], ["b1"])  # 4 + 2 places: past the bound of 5
+    assert isinstance(refused, Refusal) and refused.reason == "inflight"
+    assert r.zscore(keys.admission_inflight(), "b") is None
+    assert r.zscore(keys.admission_inflight(), "b1") is None
+    alone = ledger.reserve("c", 10, MODEL, [])  # one place is left, on the other worker
+    assert isinstance(alone, Placement) and alone.worker_id == other
+
+    async def release_all() -> None:
+        for rid in [*group, "c"]:
+            await ledger.release(rid)
+
+    asyncio.run(release_all())
+    assert r.zcard(keys.admission_inflight()) == 0 and r.zcard(keys.worker_load(wid)) == 0

@@ -384,6 +384,98 @@ def test_completion_logprobs_legacy_shape(pool: Any, tiny: Model, counting: list
     )
 
 
+def _prompt_offsets_point_at_their_tokens(lp: dict[str, list[Any]], text: str) -> None:
+    assert lp["text_offset"][0] == 0
+    for token, offset in zip(lp["tokens"], lp["text_offset"], strict=True):
+        assert text[offset:].startswith(token), (token, offset, text)
+
+
+def test_echo_returns_the_prompt_then_its_completion(
+    pool: Any, tiny: Model, counting: list[int]
+) -> None:
+    prompt = "1, 2, 3, 4, 5,"
+    want, _ = reference_greedy(tiny, counting, 8)
+    out = ok(post(pool, "/v1/completions", {"prompt": prompt, "max_tokens": 8, "echo": True}))
+    text = out["choices"][0]["text"]
+    # The prompt, then the completion continuing its text (its leading space kept).
+    assert text.startswith(prompt) and text == tiny.tokenizer.decode(counting + want)
+    assert out["usage"]["completion_tokens"] == 8
+    assert out["usage"]["prompt_tokens"] == len(counting)
+    # Streamed, the prompt's text is the first chunk.
+    resp = post(pool, "/v1/completions", {"prompt": prompt, "max_tokens": 8, "echo": True,
+                                          "stream": True})  # fmt: skip
+    assert resp.status_code == 200, resp.text
+    chunks = [c["choices"][0] for c in sse_events(resp) if c["choices"]]
+    assert chunks[0]["text"] == prompt and "".join(c["text"] for c in chunks) == text
+    # max_tokens 0: the prompt alone (OpenAI's way to score one), a prompt of ids decoded.
+    for sent in (prompt, counting):
+        only = ok(post(pool, "/v1/completions", {"prompt": sent, "max_tokens": 0, "echo": True}))
+        assert only["choices"][0]["text"] == prompt
+        assert only["choices"][0]["finish_reason"] == "length"
+        assert only["usage"]["completion_tokens"] == 0
+    # Every choice of every prompt starts with its own prompt.
+    fox = "The quick brown fox"
+    many = ok(post(pool, "/v1/completions", {"prompt": [prompt, fox], "n": 2, "max_tokens": 3,
+                                             "echo": True}))  # fmt: skip
+    starts = [c["text"][: len(prompt if c["index"] < 2 else fox)] for c in many["choices"]]
+    assert starts == [prompt, prompt, fox, fox]
+    # Without echo, max_tokens 0 is refused, naming the param.
+    refused = post(pool, "/v1/completions", {"prompt": prompt, "max_tokens": 0})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+    assert "echo" in refused.json()["error"]["message"]
+
+
+def test_echo_logprobs_of_the_prompt_are_what_its_greedy_continuation_reported(
+    pool: Any, tiny: Model, counting: list[int]
+) -> None:
+    """The prompt's tokens' logprobs (echo with logprobs): on a prompt that is a shorter prompt
+    plus its greedy continuation, the continuation's tokens get, as prompt tokens, the logprobs
+    the model reported when it generated them; the first prompt token's is null."""
+    cont = ok(post(pool, "/v1/completions", {"prompt": counting, "max_tokens": 6, "logprobs": 2}))
+    cont_lp = cont["choices"][0]["logprobs"]
+    generated, _ = reference_greedy(tiny, counting, 6)
+    prompt = counting + generated
+    body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 2}
+    scored = ok(post(pool, "/v1/completions", body))["choices"][0]
+    lp = scored["logprobs"]
+    assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert all(len(lp[k]) == len(prompt) for k in lp)
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["tokens"] == [tiny.tokenizer.decode([t]) for t in prompt]
+    assert scored["text"] == tiny.tokenizer.decode(prompt)
+    _prompt_offsets_point_at_their_tokens(lp, scored["text"])
+    k = len(counting)
+    np.testing.assert_allclose(lp["token_logprobs"][k:], cont_lp["token_logprobs"], atol=1e-4)
+    for got, want in zip(lp["top_logprobs"][k:], cont_lp["top_logprobs"], strict=True):
+        assert list(got) == list(want)  # the same alternatives, most likely first
+        np.testing.assert_allclose(list(got.values()), list(want.values()), atol=1e-4)
+    # Every prompt token's logprob is the model's log-softmax after the tokens before it.
+    for i in range(1, len(prompt)):
+        dist = log_softmax(reference_logits(tiny, prompt[:i]))
+        assert abs(lp["token_logprobs"][i] - dist[prompt[i]]) < 1e-4
+        assert len(lp["top_logprobs"][i]) in (2, 3)  # the 2 most likely, plus the token's own
+
+    # With a completion: the prompt's entries, then the completion's, offsets running on.
+    both = ok(post(pool, "/v1/completions", {**body, "prompt": counting, "max_tokens": 6}))
+    blp, text = both["choices"][0]["logprobs"], both["choices"][0]["text"]
+    assert len(blp["tokens"]) == k + 6 and blp["tokens"][k:] == cont_lp["tokens"]
+    np.testing.assert_allclose(blp["token_logprobs"][k:], cont_lp["token_logprobs"], atol=1e-4)
+    np.testing.assert_allclose(blp["token_logprobs"][1:k], lp["token_logprobs"][1:k], atol=1e-4)
+    _prompt_offsets_point_at_their_tokens(blp, text)
+    # Streamed: the first chunk carries the prompt's text and its tokens' logprobs.
+    resp = post(pool, "/v1/completions", {**body, "prompt": counting, "max_tokens": 6,
+                                          "stream": True})  # fmt: skip
+    assert resp.status_code == 200, resp.text
+    chunks = [c["choices"][0] for c in sse_events(resp) if c["choices"]]
+    assert chunks[0]["text"] == tiny.tokenizer.decode(counting)
+    assert chunks[0]["logprobs"]["tokens"] == blp["tokens"][:k]
+    joined: dict[str, list[Any]] = {name: [] for name in blp}
+    for c in chunks:
+        for name in joined:
+            joined[name].extend((c["logprobs"] or {}).get(name, []))
+    assert joined["tokens"] == blp["tokens"] and joined["text_offset"] == blp["text_offset"]
+
+
 def test_chat_logprobs_shape(pool: Any) -> None:
     body = {"messages": CHAT, "max_tokens": 8, "logprobs": True, "top_logprobs": 2}
     out = ok(post(pool, "/v1/chat/completions", body))
@@ -464,7 +556,8 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("chat", {"logprobs": 3}, "logprobs"),
     ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("chat", {"top_logprobs": 2}, "top_logprobs"),
-    ("completions", {"echo": True}, "echo"),
+    ("completions", {"max_tokens": 0}, "max_tokens"),
+    ("completions", {"echo": True, "max_tokens": -1}, "max_tokens"),
     ("completions", {"best_of": 2}, "best_of"),
     ("completions", {"suffix": "tail"}, "suffix"),
     ("chat", {"response_format": {"type": "xml"}}, "response_format"),

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from shared.wire import (
     MAX_GRAMMAR_BYTES,
+    MAX_GROUP_CHARS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_SEED,
     MAX_TOP_LOGPROBS,
@@ -47,7 +48,7 @@ VALID_REQUESTS = st.builds(
     request_id=st.text(min_size=1, max_size=16),
     model=st.text(max_size=16),
     prompt_tokens=st.lists(st.integers(0, 2**31), min_size=1, max_size=32),
-    max_tokens=st.integers(1, 2**31),
+    max_tokens=st.integers(0, 2**31),
     temperature=st.floats(0, 2),
     top_p=st.floats(0, 1, exclude_min=True),
     seed=st.none() | st.integers(0, MAX_SEED),
@@ -58,12 +59,15 @@ VALID_REQUESTS = st.builds(
     frequency_penalty=st.floats(-2, 2),
     logit_bias=st.dictionaries(st.integers(0, 2**31), st.floats(-100, 100), max_size=4),
     logprobs=st.none() | st.integers(0, MAX_TOP_LOGPROBS),
+    prompt_logprobs=st.none() | st.integers(0, MAX_TOP_LOGPROBS),
+    echo=st.booleans(),
     stop=st.lists(st.text(max_size=8), max_size=16),
     grammar=st.none() | st.text(min_size=1, max_size=32),
     session_key=st.text(max_size=16),
     template_signature=st.text(max_size=16),
     adapter_id=st.text(max_size=16),
     enqueued_at=st.floats(0, 2e9),
+    group=st.text(max_size=MAX_GROUP_CHARS),
 )
 
 
@@ -73,7 +77,7 @@ def assert_valid_request(req: GenerationRequest) -> None:
     assert type(req.model) is str
     assert type(req.prompt_tokens) is list and req.prompt_tokens
     assert all(type(t) is int and t >= 0 for t in req.prompt_tokens)
-    assert type(req.max_tokens) is int and req.max_tokens >= 1
+    assert type(req.max_tokens) is int and req.max_tokens >= 0
     assert type(req.temperature) is float and math.isfinite(req.temperature)
     assert req.temperature >= 0
     assert type(req.top_p) is float and 0 < req.top_p <= 1
@@ -87,12 +91,15 @@ def assert_valid_request(req: GenerationRequest) -> None:
     assert type(req.logit_bias) is dict and len(req.logit_bias) <= MAX_LOGIT_BIAS_ENTRIES
     for token, bias in req.logit_bias.items():
         assert type(token) is int and token >= 0 and type(bias) is float and -100 <= bias <= 100
-    assert req.logprobs is None or (type(req.logprobs) is int and 0 <= req.logprobs <= 20)
+    for k in (req.logprobs, req.prompt_logprobs):
+        assert k is None or (type(k) is int and 0 <= k <= 20)
+    assert type(req.echo) is bool
     assert req.grammar is None or (
         type(req.grammar) is str and 0 < len(req.grammar.encode("utf-8")) <= MAX_GRAMMAR_BYTES
     )
     for name in ("session_key", "template_signature", "adapter_id"):
         assert type(getattr(req, name)) is str
+    assert type(req.group) is str and len(req.group) <= MAX_GROUP_CHARS
     assert type(req.enqueued_at) is float and math.isfinite(req.enqueued_at)
 
 
@@ -146,7 +153,7 @@ BASE = GenerationRequest(request_id="r1", model="m", prompt_tokens=[1, 2], max_t
     [("seed", -1), ("seed", MAX_SEED + 1), ("seed", True), ("seed", 1.0),
      ("temperature", "hot"), ("temperature", -0.1), ("temperature", math.nan),
      ("temperature", math.inf), ("top_p", 0), ("top_p", 1.5), ("top_p", math.nan),
-     ("max_tokens", 0), ("max_tokens", True), ("max_tokens", 4.0), ("stop", 5), ("stop", [5]),
+     ("max_tokens", -1), ("max_tokens", True), ("max_tokens", 4.0), ("stop", 5), ("stop", [5]),
      ("stop", "x"), ("prompt_tokens", []), ("prompt_tokens", [1, -1]), ("prompt_tokens", [True]),
      ("prompt_tokens", [1.0]), ("request_id", ""), ("request_id", 7), ("model", None),
      ("session_key", b"k"), ("adapter_id", 0), ("enqueued_at", "now"),
@@ -159,7 +166,10 @@ BASE = GenerationRequest(request_id="r1", model="m", prompt_tokens=[1, 2], max_t
      ("logit_bias", {5: math.nan}), ("logit_bias", {i: 1.0 for i in range(301)}),
      ("logprobs", -1), ("logprobs", 21), ("logprobs", True), ("logprobs", 1.0),
      ("grammar", ""), ("grammar", 5), ("grammar", b"start: /a/"), ("grammar", ["x"]),
-     ("grammar", "x" * (MAX_GRAMMAR_BYTES + 1)), ("grammar", "\u00e9" * MAX_GRAMMAR_BYTES)],
+     ("grammar", "x" * (MAX_GRAMMAR_BYTES + 1)), ("grammar", "\u00e9" * MAX_GRAMMAR_BYTES),
+     ("group", None), ("group", 5), ("group", b"g"), ("group", "g" * (MAX_GROUP_CHARS + 1)),
+     ("prompt_logprobs", -1), ("prompt_logprobs", 21), ("prompt_logprobs", True),
+     ("echo", 1), ("echo", None), ("echo", "yes")],
 )  # fmt: skip
 def test_each_bad_field_is_a_wire_error_naming_it(field: str, value: Any) -> None:
     wire = {**BASE.to_wire(), field: value}
@@ -208,6 +218,7 @@ def events_with_logprobs(draw: st.DrawFn) -> StreamEvent:
          draw(st.lists(lp, min_size=top, max_size=top))]
         for _ in ev.token_ids
     ]  # fmt: skip
+    ev.prompt_logprobs = [[draw(lp), [], []] for _ in range(draw(st.integers(0, 3)))]
     return ev
 
 
@@ -276,6 +287,16 @@ def test_malformed_logprobs_are_wire_errors(logprobs: list[Any]) -> None:
         StreamEvent.from_wire(data)
 
 
+@pytest.mark.parametrize(
+    "entries", [[[-0.5, [1], []]], [[math.nan, [], []]], [[-0.5, [-1], [-1.0]]], [-0.5],
+                [[None, [], []]], [[-0.5, list(range(21)), [-1.0] * 21]]],
+)  # fmt: skip
+def test_malformed_prompt_logprobs_are_wire_errors(entries: list[Any]) -> None:
+    data = pack({"kind": "start", "prompt_logprobs": entries})
+    with pytest.raises(WireError, match="prompt_logprobs"):
+        StreamEvent.from_wire(data)
+
+
 def test_a_well_formed_logprobs_entry_decodes() -> None:
     data = pack({"kind": "delta", "token_ids": [7], "logprobs": [[-0.5, [7, 3], [-0.5, -2.0]]]})
     assert StreamEvent.from_wire(data).logprobs == [[-0.5, [7, 3], [-0.5, -2.0]]]
@@ -296,3 +317,14 @@ def test_control_command_kind_is_checked() -> None:
 def test_wire_types_name_every_field() -> None:
     for cls in (GenerationRequest, *MESSAGE_TYPES):
         assert set(cls.WIRE_TYPES) == {f.name for f in dataclasses.fields(cls)}, cls.__name__
+
+
+def test_newer_fields_stay_off_the_wire_at_their_default() -> None:
+    """A worker or router from before `group`, `echo` and prompt logprobs still reads every
+    message that does not use them (a rolling upgrade mixes versions)."""
+    assert not {"group", "echo", "prompt_logprobs"} & set(BASE.to_wire())
+    used = dataclasses.replace(BASE, group="g", echo=True, prompt_logprobs=0)
+    assert GenerationRequest.from_wire(unpack(pack(used.to_wire()))) == used
+    assert "prompt_logprobs" not in unpack(StreamEvent(kind="delta", text="x").to_wire())
+    start = StreamEvent(kind="start", prompt_logprobs=[[-0.5, [], []]])
+    assert StreamEvent.from_wire(start.to_wire()) == start

@@ -21,7 +21,7 @@ router = APIRouter()
 async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, state: StateDep
 ) -> Response:
-    gens = await admit_and_submit(admit_chat, body, state)
+    gens = (await admit_and_submit(admit_chat, body, state)).requests
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     fmt = ResponseFormat(chat=True, model=gens[0].model)
     tool_streams = None

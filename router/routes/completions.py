@@ -15,7 +15,10 @@ router = APIRouter()
 
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request, state: StateDep) -> Response:
-    gens = await admit_and_submit(admit_completion, body, state)
+    admission = await admit_and_submit(admit_completion, body, state)
+    gens = admission.requests
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     fmt = ResponseFormat(chat=False, model=gens[0].model)
-    return await respond(request, state, gens, fmt, bool(body.stream), include_usage)
+    return await respond(
+        request, state, gens, fmt, bool(body.stream), include_usage, echo=admission.echo
+    )

@@ -57,6 +57,10 @@ class _Progress:
     # splitter of its text into content and tool calls (a fresh one per attempt).
     tool_streams: Callable[[], ToolCallStream] | None = None
     tool_stream: ToolCallStream | None = None
+    # Completions `echo`: the prompt's text, which the choice's text starts with (and, with
+    # logprobs, the prompt's tokens, with the logprobs the worker's start event carries).
+    echo: str | None = None
+    started: bool = False  # a start came (a second one begins a new attempt)
 
     def __post_init__(self) -> None:
         self.tool_stream = self.tool_streams() if self.tool_streams else None
@@ -70,12 +74,15 @@ class _Progress:
         `done` flushes what the tool-call splitter held)."""
         now = time.time()
         if ev.kind == "start":  # an attempt begins: a lost one's text (never sent) is dropped
+            again, self.started = self.started, True
             self.text.clear()
             self.logprobs.clear()
             self.logprobs_sent = self.chars = 0
             self.worker_id = ev.worker_id or ""
             self.usage.cached_tokens = ev.cached_tokens
             self.__post_init__()
+            if self.echo is not None:
+                return self._echo(ev, again)
         elif ev.kind == "delta":
             if ev.logprobs:
                 self.logprobs.extend(from_event(ev.token_ids, ev.logprobs, self.chars))
@@ -105,6 +112,25 @@ class _Progress:
                     REQUEST_DECODE_TOK_S.observe((ev.completion_tokens - 1) / elapsed)
             return text, calls
         return "", []
+
+    def _echo(self, start: StreamEvent, again: bool) -> tuple[str, list[dict[str, Any]]]:
+        """The prompt's text first, with its tokens' logprobs when asked (the first token has
+        none, as OpenAI reports it); streamed, they go in the first chunk, once."""
+        echo = self.echo or ""
+        self.text.append(echo)
+        self.chars = len(echo)
+        if self.gen.prompt_logprobs is not None:
+            prompt, entries = self.gen.prompt_tokens, start.prompt_logprobs
+            if len(entries) == len(prompt) - 1:
+                self.logprobs.append(TokenLogprob(prompt[0], None, None, 0))
+                self.logprobs.extend(from_event(prompt[1:], entries, 0))
+            else:
+                log.warning("request %s: %d prompt logprobs for %d prompt tokens",
+                            self.gen.request_id, len(entries), len(prompt))  # fmt: skip
+        if again:  # a retry: the first attempt's start sent them
+            self.logprobs_sent = len(self.logprobs)
+            return "", []
+        return echo, []
 
 
 def error_for(ev: StreamEvent) -> APIError:
@@ -204,10 +230,11 @@ B = TypeVar("B")  # a request body
 
 async def admit_and_submit(
     admit: Callable[[B, AdmissionContext], Admission], body: B, state: RouterState
-) -> list[GenerationRequest]:
+) -> Admission:
     """Admission (validation, tokenization) and the enqueue in ONE trip to a worker thread: a
-    burst of requests reaches the workers sooner than with a thread hop for each. Returns every
-    choice's request (one unless `n` or a prompt list asks for more)."""
+    burst of requests reaches the workers sooner than with a thread hop for each. Returns the
+    admission, with every choice's request in `requests` (one unless `n` or a prompt list asks
+    for more)."""
 
     def run() -> Admission:
         model = getattr(body, "model", None) or state.model_id
@@ -228,16 +255,17 @@ async def admit_and_submit(
             token_table(ctx.tokenizer)  # built once per tokenizer, here, before the enqueue
         gens = admission.requests or [req]
         # Every choice reserved before any is enqueued: a request is admitted whole or not at
-        # all, so a 429 never leaves half its choices running.
+        # all, so a 429 never leaves half its choices running. The choices of one prompt are
+        # reserved together, on one worker, which computes their prompt once.
         placed: list[tuple[GenerationRequest, Placement]] = []
-        for gen in gens:
-            refused = _place(state, gen)
-            if isinstance(refused, Admission):
+        for group in _groups(gens):
+            where = _place(state, group[0], group[1:])
+            if isinstance(where, Admission):
                 for done, _ in placed:
                     state.dispatcher.ledger.release_sync(done.request_id,
                                                          state.dispatcher.sync_redis)  # fmt: skip
-                return refused
-            placed.append((gen, refused))
+                return where
+            placed += [(gen, where) for gen in group]
         enqueued = 0
         try:
             for gen, where in placed:
@@ -257,17 +285,32 @@ async def admit_and_submit(
     admission = await anyio.to_thread.run_sync(run)
     if admission.outcome is not Outcome.ADMIT or admission.request is None:
         raise admission.error()
-    return admission.requests or [admission.request]
+    admission.requests = admission.requests or [admission.request]
+    return admission
 
 
-def _place(state: RouterState, req: GenerationRequest) -> Placement | Admission:
+def _groups(gens: list[GenerationRequest]) -> list[list[GenerationRequest]]:
+    """The choices in runs that share a prompt (their `group`); a choice alone is its own run."""
+    runs: list[list[GenerationRequest]] = []
+    for gen in gens:
+        if runs and gen.group and runs[-1][0].group == gen.group:
+            runs[-1].append(gen)
+        else:
+            runs.append([gen])
+    return runs
+
+
+def _place(
+    state: RouterState, req: GenerationRequest, siblings: list[GenerationRequest]
+) -> Placement | Admission:
     """The pool's bound and the worker, decided before anything is enqueued (and before any
     200), from the blocks the prompt hashes to exactly as the worker's cache hashes them; an
-    Admission when refused."""
+    Admission when refused. `siblings` (the other choices of req's prompt) go where it goes."""
     ledger = state.dispatcher.ledger
     ns = CacheNamespace(req.model, req.adapter_id, req.template_signature)
     members = index_members(state.hasher.chain(req.prompt_tokens, ns.seed()))
-    placed = ledger.reserve(req.request_id, len(req.prompt_tokens), req.model, members)
+    sibling_ids = [s.request_id for s in siblings]
+    placed = ledger.reserve(req.request_id, len(req.prompt_tokens), req.model, members, sibling_ids)
     if isinstance(placed, Refusal):
         ADMISSION_REFUSED.labels(placed.reason).inc()
         retry = state.settings.admission.retry_after_s
@@ -275,16 +318,18 @@ def _place(state: RouterState, req: GenerationRequest) -> Placement | Admission:
     if not placed.worker_id and req.model != state.model_id:
         # Only the router's own model waits for a worker in its shared queue; another
         # model's workers all went away since the catalog saw them.
-        ledger.release_sync(req.request_id, state.dispatcher.sync_redis)
+        for rid in (req.request_id, *sibling_ids):
+            ledger.release_sync(rid, state.dispatcher.sync_redis)
         return Admission(
             Outcome.NO_WORKER,
             retry_after_s=state.settings.admission.retry_after_s,
             message=f"No live worker serves '{req.model}' now; retry shortly.",
         )
     observe_placement(placed)
-    log.info("route request=%s worker=%s outcome=%s predicted_cached=%d prompt=%d cost=%d",
-             req.request_id, placed.worker_id or "(shared queue)", placed.outcome,
-             placed.predicted_tokens, len(req.prompt_tokens), placed.cost)  # fmt: skip
+    log.info("route request=%s worker=%s outcome=%s predicted_cached=%d prompt=%d cost=%d "
+             "choices=%d", req.request_id, placed.worker_id or "(shared queue)", placed.outcome,
+             placed.predicted_tokens, len(req.prompt_tokens), placed.cost,
+             1 + len(siblings))  # fmt: skip
     return placed
 
 
@@ -296,17 +341,21 @@ async def respond(
     stream: bool,
     include_usage: bool,
     tool_streams: Callable[[], ToolCallStream] | None = None,
+    echo: list[str] | None = None,
 ) -> Response:
     """Relay a request already admitted and enqueued (admit_and_submit), one choice a
-    GenerationRequest; `tool_streams`: a chat request's tool-call parsing (router.tool_calls)."""
+    GenerationRequest; `tool_streams`: a chat request's tool-call parsing (router.tool_calls);
+    `echo`: completions' echo, each choice's prompt text."""
+    echoes: list[str | None] = list(echo) if echo is not None else [None] * len(gens)
     if len(gens) > 1:
-        return await _respond_many(request, state, gens, fmt, stream, include_usage, tool_streams)
+        return await _respond_many(request, state, gens, fmt, stream, include_usage, tool_streams,
+                                   echoes)  # fmt: skip
     gen = gens[0]
     renderer = None
     if gen.logprobs is not None:
         renderer = await anyio.to_thread.run_sync(_logprob_renderer, state, gen.model, fmt.chat)
     events = state.dispatcher.events(gen, request.is_disconnected, streamed=stream)
-    progress = _Progress(gen, tool_streams=tool_streams)
+    progress = _Progress(gen, tool_streams=tool_streams, echo=echoes[0])
     if not stream:
         async with aclosing(events):
             await _collect(events, progress)
@@ -337,13 +386,16 @@ async def _respond_many(
     stream: bool,
     include_usage: bool,
     tool_streams: Callable[[], ToolCallStream] | None,
+    echoes: list[str | None],
 ) -> Response:
     """Several choices (`n`, a prompt list): each its own sequence and stream, relayed side by
     side under its `index`; the usage counts each prompt once and every choice's tokens."""
     renderer = None
     if gens[0].logprobs is not None:
         renderer = await anyio.to_thread.run_sync(_logprob_renderer, state, gens[0].model, fmt.chat)
-    progresses = [_Progress(g, tool_streams=tool_streams) for g in gens]
+    progresses = [
+        _Progress(g, tool_streams=tool_streams, echo=e) for g, e in zip(gens, echoes, strict=True)
+    ]
     streams = [state.dispatcher.events(g, request.is_disconnected, streamed=stream) for g in gens]
     if not stream:
 

@@ -4,6 +4,8 @@ passed in, and every call returns a `StepResult` the caller applies.
 
 Shape (BatchGenerator's verbs): `admit(spec)` puts a request in the batch, `step()` runs one
 decode step plus a prefill chunk, `cancel(id)` takes one out, `fail_all(...)` empties the batch.
+The choices of one prompt (a `group`) compute it once: one prefills, the others start from
+copies of its KV (worker/engine/shared_prompt.py).
 A failure that belongs to one request (its admission, its sampler, its text) ends that request
 and leaves the batch running; a failure of the batched step itself fails every running request
 and starts a fresh generator, so the engine always goes on.
@@ -24,6 +26,7 @@ from mlx_lm.sample_utils import greedy_sampler
 from shared.config import WorkerConfig
 from shared.wire import GenerationRequest, StreamEvent
 from worker.engine.grammar import GrammarError, GrammarTokenizer
+from worker.engine.prompt_logprobs import score_prompt
 from worker.engine.request import Request, RequestStatus
 from worker.engine.results import StepResult
 from worker.engine.sampling import (
@@ -33,6 +36,7 @@ from worker.engine.sampling import (
     make_logits_processors,
     make_request_sampler,
 )
+from worker.engine.shared_prompt import Holds, can_share, group_mate, prompt_kv_copies
 from worker.engine.text_stream import TextStream
 from worker.mlx_cpu.last_logits import last_logits
 from worker.prompt_cache.keys import CacheNamespace
@@ -99,6 +103,9 @@ class Engine:
         # The one index of running requests, by BatchGenerator uid (a batch holds few, so a
         # lookup by request id scans it instead of keeping a second map in step).
         self._running: dict[int, Request] = {}
+        # Group-mates waiting for the prefill of the prompt they share (not in the batch yet).
+        self._held = Holds()
+        self._share_prompts = can_share(model)
         self.gen = self._new_generator()
 
     def _new_generator(self) -> BatchGenerator:
@@ -113,7 +120,7 @@ class Engine:
 
     @property
     def active(self) -> int:
-        return len(self._running)
+        return len(self._running) + len(self._held)
 
     @property
     def free_slots(self) -> int:
@@ -121,10 +128,11 @@ class Engine:
 
     @property
     def running(self) -> list[Request]:
-        return list(self._running.values())
+        """Every request the engine holds: in the batch, or waiting for a group-mate."""
+        return [*self._running.values(), *self._held]
 
     def find(self, request_id: str) -> Request | None:
-        return next((r for r in self._running.values() if r.id == request_id), None)
+        return next((r for r in self.running if r.id == request_id), None)
 
     # -- admission -------------------------------------------------------------------------
 
@@ -147,13 +155,15 @@ class Engine:
         )
         try:
             self._check(spec)
+            if spec.echo:  # its text continues the prompt's
+                req.text.prime(spec.prompt_tokens[-1])
             req.sampler = make_request_sampler(spec, self.vocab_size)
             req.processors = make_logits_processors(spec)
             if spec.grammar is not None:
                 # Last: after logit_bias, so a token the grammar bans stays banned.
                 req.grammar = self._grammars.constraint(spec)
                 req.processors.append(req.grammar)
-            self._start(req, out)
+            self._launch(req, out)
         except (AdmissionError, GrammarError) as exc:
             self._abandon(req, RequestStatus.FAILED, str(exc), INVALID, out)
         except Exception as exc:  # this request's own failure: the batch runs on without it
@@ -175,7 +185,39 @@ class Engine:
                 f"context length {self.context_length}"
             )
 
+    def _launch(self, req: Request, out: StepResult) -> None:
+        """Start a request. One of a group starts from a copy of a group-mate's KV of their
+        prompt, or waits while the mate computes it; the first of a group starts on its own."""
+        mate = group_mate(req, self._running.values()) if self._share_prompts else None
+        if mate is None or not _can_start_from(req, mate):
+            self._start(req, out)
+        elif not mate.prompt_ready:
+            self._held.hold(req, mate)
+        else:
+            copies = self._prompt_kv(mate, 1)
+            if copies is None:
+                self._start(req, out)
+            else:
+                self._start_shared(req, mate, copies[0], out)
+
+    def _begin(self, req: Request, out: StepResult) -> None:
+        """Counted and announced: its `start` event, with the prompt tokens it did not compute."""
+        prompt = req.spec.prompt_tokens
+        self.counters.requests += 1
+        self.counters.prompt_tokens += len(prompt)
+        start = StreamEvent(
+            kind="start",
+            prompt_tokens=len(prompt),
+            cached_tokens=req.cached_tokens,
+            worker_id=self.worker_id,
+            prompt_logprobs=req.prompt_logprobs or [],
+        )
+        out.emit(req, start)
+
     def _start(self, req: Request, out: StepResult) -> None:
+        if req.spec.prompt_logprobs is not None or req.spec.max_tokens == 0:
+            self._start_scored(req, out)
+            return
         prompt = req.spec.prompt_tokens
         adopted: AdoptResult | None = None
         if self.prompt_cache is not None:
@@ -184,15 +226,7 @@ class Engine:
             )
         if adopted is not None:
             req.cached_tokens, req.lease = adopted.cached_tokens, adopted.lease
-        self.counters.requests += 1
-        self.counters.prompt_tokens += len(prompt)
-        start = StreamEvent(
-            kind="start",
-            prompt_tokens=len(prompt),
-            cached_tokens=req.cached_tokens,
-            worker_id=self.worker_id,
-        )
-        out.emit(req, start)
+        self._begin(req, out)
         if adopted is not None and len(prompt) - req.cached_tokens <= FAST_START_MAX_TOKENS:
             self._fast_start(req, adopted.caches, out)
             return
@@ -200,6 +234,90 @@ class Engine:
         caches = adopted.caches if adopted is not None else None
         self._insert(req, prompt[cached:], req.spec.max_tokens, caches, prompt[:cached])
         out.prefill_pending = True
+
+    def _start_scored(self, req: Request, out: StepResult) -> None:
+        """A request that asked for its prompt's logprobs, or for no new token: the scoring pass
+        (worker/engine/prompt_logprobs.py) over the prompt but its last token, here, is also its
+        prefill; with max_tokens 0 it ends at once."""
+        spec = req.spec
+        prompt = spec.prompt_tokens
+        caches = None
+        if spec.prompt_logprobs is not None:
+            with mx.stream(self.gen.stream):
+                caches, req.prompt_logprobs = score_prompt(
+                    self.model, prompt, spec.prompt_logprobs, self.config.prefill_step_size
+                )
+            self.counters.batch_prefill_tokens += len(prompt) - 1
+            req.prompt_ready = caches is not None
+        self._begin(req, out)
+        if spec.max_tokens == 0:
+            self._finish(req, "length", caches, prompt[:-1], out, donate=caches is not None)
+        elif caches is None:  # a one-token prompt: nothing scored, the batch prefills it
+            self._insert(req, prompt, spec.max_tokens, None, [])
+            out.prefill_pending = True
+        else:
+            self._insert(req, prompt[-1:], spec.max_tokens, caches, prompt[:-1])
+
+    def _start_shared(
+        self, req: Request, mate: Request, caches: list[Any], out: StepResult
+    ) -> None:
+        """Start from a group-mate's KV of the prompt but its last token (reported as cached,
+        as a prompt-cache hit is), and its prompt logprobs when asked: that one token is all it
+        computes, in BatchGenerator's next step, batched with the other sequences starting."""
+        prompt = req.spec.prompt_tokens
+        req.cached_tokens = len(prompt) - 1
+        if req.spec.prompt_logprobs is not None:
+            req.prompt_logprobs = mate.prompt_logprobs
+        self._begin(req, out)
+        self._insert(req, prompt[-1:], req.spec.max_tokens, caches, prompt[:-1])
+
+    def _prompt_kv(self, mate: Request, count: int) -> list[list[Any]] | None:
+        """`count` copies of the KV of mate's prompt but its last token; None when there is none
+        to copy (the requests that wanted it then compute the prompt themselves)."""
+        shared = len(mate.spec.prompt_tokens) - 1
+        try:
+            found = self.gen.extract_cache([mate.uid]).get(mate.uid)
+            if found is None:
+                return None
+            with mx.stream(self.gen.stream):
+                return prompt_kv_copies(list(found[0]), shared, count)
+        except Exception:  # theirs to recover from: they prefill on their own
+            log.warning("could not copy the prompt KV of %s", mate.id, exc_info=True)
+            return None
+
+    def _prompt_computed(self, progress: list[Any], out: StepResult) -> None:
+        """Sequences whose KV now covers their prompt but its last token (BatchGenerator's
+        prompt progress: tokens done, tokens in all): the group-mates waiting on one start
+        from copies of its KV."""
+        for p in progress:
+            req = self._running.get(p.uid)
+            done, total = p.progress
+            if req is None or req.prompt_ready or done < total - 1:
+                continue
+            req.prompt_ready = True
+            held = self._held.take(req)
+            if not held:
+                continue
+            copies = self._prompt_kv(req, len(held))
+            for i, waiter in enumerate(held):
+                try:
+                    if copies is None or not _can_start_from(waiter, req):
+                        self._start(waiter, out)
+                    else:
+                        self._start_shared(waiter, req, copies[i], out)
+                except Exception as exc:  # its own failure: the others start regardless
+                    log.exception("starting %s failed", waiter.id)
+                    self._abandon(waiter, RequestStatus.FAILED, _describe(exc), SERVER, out)
+
+    def _resume_held(self, gone: Request, out: StepResult) -> None:
+        """`gone` left before its prefill was done: the requests that waited on it start again
+        (the first computes the prompt, the others wait on it in turn). None is lost."""
+        for req in self._held.take(gone):
+            try:
+                self._launch(req, out)
+            except Exception as exc:
+                log.exception("starting %s failed", req.id)
+                self._abandon(req, RequestStatus.FAILED, _describe(exc), SERVER, out)
 
     def _insert(
         self,
@@ -236,6 +354,7 @@ class Engine:
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             token = int((req.sampler or greedy_sampler)(logprobs).item())
             entry = self._logprobs(req, logprobs, token)
+        req.prompt_ready = True  # the caches now cover the whole prompt
         if req.grammar is not None:
             req.grammar.advance([token])  # BatchGenerator's first call then has nothing new
             if req.grammar.error:
@@ -262,7 +381,7 @@ class Engine:
         self._expire(out)
         try:
             with self.gen.stats() as stats:
-                _, responses = self.gen.next()
+                progress, responses = self.gen.next()
         except Exception as exc:  # the batched step itself: no one request to blame
             log.exception("engine step failed; failing %d running requests", self.active)
             self._fail_running(f"engine error: {_describe(exc)}", SERVER, out)
@@ -271,6 +390,7 @@ class Engine:
         self.counters.batch_prefill_tokens += stats.prompt_tokens
         self.counters.batch_decode_tokens += stats.generation_tokens
         self.counters.batch_decode_steps += stats.generation_steps
+        self._prompt_computed(progress, out)
         cut: list[Request] = []  # ended by a stop string while BatchGenerator still holds them
         entries = self._step_logprobs(responses, out)
         for r in responses:
@@ -359,13 +479,15 @@ class Engine:
         layer_caches: list[Any] | None,
         tokens: list[int] | None,
         out: StepResult,
+        donate: bool = True,
     ) -> None:
-        """A healthy finish: the tail of the text, the KV offered to the prompt cache, `done`."""
+        """A healthy finish: the tail of the text, the KV offered to the prompt cache (unless it
+        never had any: max_tokens 0 with nothing scored), `done`."""
         self._leave(req)
         tail = req.text.finish()
         if tail:
             out.emit(req, StreamEvent(kind="delta", text=tail))
-        if self.prompt_cache is not None:
+        if self.prompt_cache is not None and donate:
             self.prompt_cache.donate_finished_sequence_cache(
                 req.namespace, req.spec.session_key, req.seq_id, list(tokens or []), layer_caches
             )
@@ -383,6 +505,7 @@ class Engine:
             ),
         )
         out.end(req)
+        self._resume_held(req, out)
 
     def _leave(self, req: Request) -> None:
         if req.uid is not None:
@@ -406,12 +529,14 @@ class Engine:
         return self._drained(out)
 
     def _fail_running(self, error: str, error_type: str, out: StepResult) -> None:
-        for req in list(self._running.values()):
+        for req in [*self._held, *self._running.values()]:  # the held first: none restarts
             self._abandon(req, RequestStatus.FAILED, error, error_type, out)
 
     def _expire(self, out: StepResult) -> None:
         now = self.clock()
-        for req in list(self._running.values()):
+        for req in self.running:
+            if req.status.ended:  # it failed to start again after its group-mate expired
+                continue
             if req.deadline is not None and now >= req.deadline:
                 limit = req.deadline - req.admitted_at
                 self._abandon(
@@ -421,8 +546,12 @@ class Engine:
     def _abandon(
         self, req: Request, status: RequestStatus, error: str, error_type: str, out: StepResult
     ) -> None:
-        """End a request without a healthy finish: out of the batch, its cache hold released,
-        an error event unless its client cancelled it."""
+        """End a request without a healthy finish: out of the batch (or no longer held), its
+        cache hold released, an error event unless its client cancelled it; the group-mates
+        that waited on its prefill start without it."""
+        if req.status.ended:
+            return
+        self._held.drop(req)
         if req.uid is not None:
             try:
                 self.gen.remove([req.uid])
@@ -436,6 +565,7 @@ class Engine:
         else:
             out.emit(req, StreamEvent(kind="error", error=error, error_type=error_type))
         out.end(req)
+        self._resume_held(req, out)
 
     # -- stats, control --------------------------------------------------------------------
 
@@ -474,6 +604,15 @@ class Engine:
             "freed_bytes": int(r.freed_bytes),
             "freed_entries": int(r.freed_entries),
         }
+
+
+def _can_start_from(req: Request, mate: Request) -> bool:
+    """Whether req may start from mate's prompt: it decodes (max_tokens 0 ends at its start),
+    and it wants no prompt logprobs or mate has the same ones (group-mates ask alike; a mate
+    without them leaves req to score its own)."""
+    want = req.spec.prompt_logprobs
+    same = want is None or (mate.prompt_logprobs is not None and mate.spec.prompt_logprobs == want)
+    return req.spec.max_tokens > 0 and same
 
 
 def _describe(exc: BaseException) -> str:

@@ -20,6 +20,7 @@ from worker.prompt_cache.keys import CacheNamespace
 
 
 class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # held until a group-mate has computed the prompt they share
     PREFILLING = "prefilling"  # in the batch with prompt tokens still to compute
     DECODING = "decoding"  # sampling tokens
     FINISHED = "finished"  # ended by a stop condition or its token budget
@@ -61,6 +62,10 @@ class Request:
     error: str = ""
     error_type: str = ""
     next_seq: int = 0  # the `seq` of this request's next stream event
+    # Its KV covers its prompt but the last token: a group-mate may start from a copy of it.
+    prompt_ready: bool = False
+    waiting_on: Request | None = None  # WAITING: the group-mate computing the shared prompt
+    prompt_logprobs: list[Any] | None = None  # its prompt's logprob entries, when it asked
 
     @property
     def id(self) -> str:

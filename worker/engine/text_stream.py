@@ -22,15 +22,23 @@ class TextStream:
     stop: list[str] = field(default_factory=list)
     _held: str = ""
     _stopped: bool = False
+    _pushed: bool = False
+
+    def prime(self, token: int) -> None:
+        """Continue the text after `token` (the prompt's last, whose text the client has): its
+        own text is dropped, and what follows keeps its leading space."""
+        self.detokenizer.add_token(token)
+        _ = self.detokenizer.last_segment
 
     def push(self, token: int) -> TextDelta:
+        self._pushed = True
         self.detokenizer.add_token(token)
         return self._scan(self.detokenizer.last_segment)
 
     def finish(self) -> str:
         """Flush what the detokenizer and the stop-string hold-back kept."""
-        if self._stopped:
-            return ""  # nothing after a stop string reaches the client
+        if self._stopped or not self._pushed:
+            return ""  # nothing after a stop string (or a primer's leftover) reaches the client
         self.detokenizer.finalize()
         delta = self._scan(self.detokenizer.last_segment)
         if delta.stopped:
