@@ -173,6 +173,10 @@ def test_prompt_too_long_for_the_context(client: httpx.Client, model_id: str) ->
         ("/v1/completions", {"prompt": "hi", "temperature": 2.5}, "temperature"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                   "chat_template": "{% for %}"}, "chat_template"),
+        ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}},
+         "stream_options"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                  "stream": False, "stream_options": {}}, "stream_options"),
     ],
 )  # fmt: skip
 def test_invalid_requests_are_400(
