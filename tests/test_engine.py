@@ -735,3 +735,23 @@ def test_an_echoed_completion_keeps_its_leading_space(tiny: Model) -> None:
     whole = tiny.tokenizer.decode(prompt + echoed.tokens("e"))
     assert tiny.tokenizer.decode(prompt) + echoed.text("e") == whole
     assert echoed.text("e").startswith(" ") and echoed.text("e")[1:] == plain.text("e")
+
+
+def test_an_idle_step_gives_mlx_buffer_cache_back(tiny: Model) -> None:
+    """After the last request ends, the next (idle) step empties MLX's cache of freed buffers:
+    an idle worker's memory does not keep its busiest batch's peak."""
+    import mlx.core as mx
+
+    engine = make_engine(tiny)
+    run = Run()
+    for i in range(4):
+        run.add(engine.admit(spec(f"r{i}", list(range(10 + i, 60 + i)), max_tokens=8)))
+    run_until_done(engine, 64, run)
+    assert mx.get_cache_memory() > 0  # the batch's freed buffers, kept for reuse
+    engine.step()
+    assert mx.get_cache_memory() == 0
+    # ...and a request after it runs as before.
+    again = Run()
+    again.add(engine.admit(spec("later", list(range(10, 60)), max_tokens=8)))
+    run_until_done(engine, 40, again)
+    assert again.tokens("later") == run.tokens("r0")

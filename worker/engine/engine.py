@@ -38,6 +38,7 @@ from worker.engine.sampling import (
 )
 from worker.engine.shared_prompt import Holds, can_share, group_mate, prompt_kv_copies
 from worker.engine.text_stream import TextStream
+from worker.mlx_cpu.idle_memory import release_idle_memory
 from worker.mlx_cpu.last_logits import last_logits
 from worker.prompt_cache.keys import CacheNamespace
 from worker.prompt_cache.policy import AdoptResult, PromptCache
@@ -100,6 +101,7 @@ class Engine:
         # llguidance's view of the tokenizer, built on the first response_format request.
         self._grammars = GrammarTokenizer(tokenizer, self.vocab_size, self._eos)
         self._last_reject_sent: dict[str, Any] | None = None
+        self._buffers_held = False  # a step ran since MLX's buffer cache was last cleared
         # The one index of running requests, by BatchGenerator uid (a batch holds few, so a
         # lookup by request id scans it instead of keeping a second map in step).
         self._running: dict[int, Request] = {}
@@ -377,7 +379,11 @@ class Engine:
         """One BatchGenerator step: a decode step for running sequences and a prefill chunk."""
         out = StepResult()
         if not self._running:
+            if self._buffers_held:  # idle since the last step: its spare memory goes back
+                release_idle_memory()
+                self._buffers_held = False
             return out
+        self._buffers_held = True
         self._expire(out)
         try:
             with self.gen.stats() as stats:
