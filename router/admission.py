@@ -113,9 +113,7 @@ def _check_common(body: CompletionRequest | ChatCompletionRequest, ctx: Admissio
         raise _invalid(f"'seed' must be an integer in [0, 2**63 - 1], got {body.seed}.", "seed")
     # OpenAI's and vLLM's rule: options of a stream are an error on a request that is not one.
     if body.stream_options is not None and not body.stream:
-        raise _invalid(
-            "'stream_options' is only allowed when 'stream' is true.", "stream_options"
-        )
+        raise _invalid("'stream_options' is only allowed when 'stream' is true.", "stream_options")
 
 
 # A logit_bias key: a token id written in decimal digits (JSON object keys are strings).

@@ -99,13 +99,21 @@ return (#ARGV - 1) / 2
 
 @dataclass(frozen=True)
 class Refusal:
-    """Why a request was not admitted: `inflight` or `tokens`, with the count and the bound."""
+    """Why a request was not admitted: `inflight` or `tokens`, with the count and the bound;
+    `scope` "pool" (the pool's bound, every model's requests) or "model" (every live worker of
+    the request's model is at its own bound)."""
 
     reason: str
     current: int
     bound: int
+    scope: str = "pool"
 
     def message(self) -> str:
+        if self.reason == "inflight" and self.scope == "model":
+            return (
+                f"Every worker of this model is at its bound ({self.bound} requests in flight "
+                "between them); retry shortly."
+            )
         if self.reason == "inflight":
             return f"The pool is at its bound of {self.bound} requests in flight; retry shortly."
         return (
@@ -173,6 +181,7 @@ class AdmissionLedger:
         own reservation, released by its own id), or refused with it."""
         c, r = self.config, self.routing
         t = keys.WORKER_KEY_TEMPLATES
+        opened = self.gate.opened  # a release after this makes this refusal stale
         reply = self._place(
             keys=[keys.admission_inflight(), keys.admission_queued_tokens(),
                   keys.workers_roster(), keys.routing_stats(), keys.routing_cursor()],
@@ -184,13 +193,13 @@ class AdmissionLedger:
                   len(siblings), *siblings, *members],
         )  # fmt: skip
         if int(reply[0]) != 1:
-            refusal = Refusal(_text(reply[1]), int(reply[2]), int(reply[3]))
+            refusal = Refusal(_text(reply[1]), int(reply[2]), int(reply[3]), _text(reply[4]))
+            pool_wide = refusal.scope == "pool"
             # Too many choices for the places left is no sign of a full pool: a lone request
             # would still fit, so the door stays open.
-            too_many = refusal.current < refusal.bound < refusal.current + 1 + len(siblings)
+            too_many = pool_wide and refusal.current + 1 <= refusal.bound
             if refusal.reason == "inflight" and not too_many:
-                pool_wide = 0 < c.max_inflight <= refusal.bound
-                self.gate.close(model_id, refusal.message(), pool_wide)
+                self.gate.close(model_id, refusal.message(), pool_wide, opened)
             return refusal
         placement = Placement(_text(reply[1]), _text(reply[2]), int(reply[3]), int(reply[4]))
         for rid in (request_id, *siblings):
@@ -220,17 +229,17 @@ class AdmissionLedger:
             log.warning("could not record the start of %s", request_id, exc_info=True)
 
     async def release(self, request_id: str) -> None:
-        self.gate.open()
         try:
             await self._release_async(**self._release_call(request_id))
         except redis.RedisError:  # it lapses on its own within reservation_ttl_s
             log.warning("could not release the reservation of %s", request_id, exc_info=True)
+        self.gate.open()  # after the release: a refusal decided before it is stale
 
     def release_sync(self, request_id: str, client: redis.Redis) -> None:
         """Release from a worker thread (an enqueue that failed after its reservation)."""
-        self.gate.open()
         with suppress(redis.RedisError):
             self._release_sync(**self._release_call(request_id), client=client)
+        self.gate.open()
 
     def _release_call(self, request_id: str) -> dict[str, Any]:
         worker_id = self._held.pop(request_id, "")

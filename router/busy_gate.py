@@ -7,9 +7,10 @@ The ledger's script stays the one judge of the bound: the gate only remembers it
 free), whichever comes first. So a flood costs one script call per hold period rather than one
 per request, and a slot freed by another router process is seen at most `hold_s` late.
 
-A refusal at the pool-wide bound (`max_inflight`) closes the gate for every request, here in
-the ASGI layer; one at a model's own bound (its workers' per-worker cap) only for that model,
-checked once the body names it (`refusal`), still before tokenizing.
+A refusal at the pool's bound (`max_inflight`, every model's requests) closes the gate for every
+request, here in the ASGI layer; one because every live worker of a model is at its own bound
+(`max_inflight_per_worker`) only for that model, checked once the body names it (`refusal`),
+still before tokenizing.
 """
 
 from __future__ import annotations
@@ -44,20 +45,26 @@ class BusyGate:
     # model id (ALL_MODELS: the pool-wide bound) -> the refusal that shut it
     _shut: dict[str, Shut] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    opened: int = 0  # releases so far (a refusal read before the latest one is stale)
 
-    def close(self, model: str, message: str, pool_wide: bool) -> None:
-        """The ledger refused a request at a bound of requests in flight (from any thread)."""
+    def close(self, model: str, message: str, pool_wide: bool, opened: int | None = None) -> None:
+        """The ledger refused a request at a bound of requests in flight (from any thread).
+        `opened`: `self.opened` when the ledger was asked; a release since then (this process's
+        slot freed after the count was read) makes the refusal stale, and it shuts nothing."""
         if self.hold_s <= 0:
             return
         shut = Shut(message, self.clock() + self.hold_s)
         with self._lock:
+            if opened is not None and opened != self.opened:
+                return
             self._shut[ALL_MODELS if pool_wide else model] = shut
 
     def open(self) -> None:
-        """A request of this process ended: its slot is free, so the next one asks the ledger."""
-        if self._shut:
-            with self._lock:
-                self._shut.clear()
+        """A request of this process ended and its reservation is gone: the next one asks the
+        ledger."""
+        with self._lock:
+            self.opened += 1
+            self._shut.clear()
 
     def refusal(self, model: str = ALL_MODELS) -> Shut | None:
         """The refusal still standing for `model` (the pool-wide one applies to every model)."""

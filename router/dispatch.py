@@ -135,6 +135,19 @@ class Dispatcher:
             )
             pipe.execute()
 
+    def cancel_sync(self, request_ids: list[str]) -> None:
+        """Ask the workers to drop these requests (blocking; best effort: a job whose cancel is
+        lost runs to its end and its stream expires)."""
+        if not request_ids:
+            return
+        try:
+            with self.sync_redis.pipeline(transaction=False) as pipe:
+                for req_id in request_ids:
+                    pipe.set(keys.request_cancel(req_id), "1", ex=keys.REQUEST_TTL_S)
+                pipe.execute()
+        except redis.RedisError:
+            log.warning("could not cancel %d enqueued choice(s)", len(request_ids), exc_info=True)
+
     async def events(
         self,
         gen: GenerationRequest,

@@ -16,6 +16,7 @@ Shapes:
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import re
@@ -135,6 +136,10 @@ def _token_bytes(hf: Any, vocab_size: int) -> list[bytes]:
     return out
 
 
+# The longest run of tokens sharing one offset placed by the exact (quadratic) rule.
+EXACT_RUN = 64
+
+
 class LogprobRenderer:
     def __init__(self, table: TokenTable, chat: bool) -> None:
         self.table = table
@@ -162,7 +167,9 @@ class LogprobRenderer:
     def _offsets(self, tokens: list[TokenLogprob], end: int | None) -> list[int]:
         """Each token's `text_offset`. Tokens that came in one delta share its start; each is
         placed where the delta's text minus the text of it and the tokens after it ends (a
-        character split over tokens counts once), within the delta's span."""
+        character split over tokens counts once), within the delta's span. A run longer than
+        EXACT_RUN (an echoed prompt) is placed forward instead, by the characters its tokens
+        before it decode to: linear, where the exact rule is quadratic in the run."""
         out = [t.offset for t in tokens]
         i = 0
         while i < len(tokens):
@@ -171,10 +178,17 @@ class LogprobRenderer:
                 j += 1
             stop = tokens[j + 1].offset if j + 1 < len(tokens) else end
             if j > i and stop is not None:
-                start, tail = tokens[i].offset, b""
-                for k in range(j, i, -1):
-                    tail = self.table.bytes_of(tokens[k].token) + tail
-                    out[k] = min(max(start, stop - len(tail.decode("utf-8", "replace"))), stop)
+                start = tokens[i].offset
+                if j - i < EXACT_RUN:
+                    tail = b""
+                    for k in range(j, i, -1):
+                        tail = self.table.bytes_of(tokens[k].token) + tail
+                        out[k] = min(max(start, stop - len(tail.decode("utf-8", "replace"))), stop)
+                else:
+                    decoder, chars = codecs.getincrementaldecoder("utf-8")("replace"), 0
+                    for k in range(i, j + 1):
+                        out[k] = min(start + chars, stop)
+                        chars += len(decoder.decode(self.table.bytes_of(tokens[k].token)))
             i = j + 1
         return out
 

@@ -15,9 +15,10 @@
 --       17 decode weight (tokens per running sequence), 18 balance abs, 19 balance rel,
 --       20 routed ttl ms, 21 k: how many siblings, 22..21+k their request ids,
 --       22+k.. the prompt's block index members, in order
--- Returns {1, outcome, worker id or '', predicted cached tokens, cost, inflight, bound,
---          the routed marks' score (0: none written)}
---      or {0, 'inflight' | 'tokens', current, bound}
+-- Returns {1, outcome, worker id or '', predicted cached tokens (the group's), cost, inflight,
+--          bound, the routed marks' score (0: none written)}
+--      or {0, 'inflight' | 'tokens', current, bound, 'pool' | 'model' (whose bound: the
+--          pool's, or that of every live worker of the request's model)}
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -73,25 +74,26 @@ for _, wid in ipairs(redis.call('SMEMBERS', KEYS[3])) do
 end
 table.sort(live, function(a, b) return a.wid < b.wid end)
 
--- The pool's bounds (the per-worker one times the live workers of this model).
-if per_worker > 0 and #live > 0 and (limit == 0 or per_worker * #live < limit) then
-  limit = per_worker * #live
-end
+-- The pool's bound counts every model's requests in flight; a model's own workers bound only
+-- its requests (below: a request is refused when every one of them is at its bound).
 local n = redis.call('ZCARD', KEYS[1])
-if limit > 0 and n + count > limit then return {0, 'inflight', n, limit} end
+if limit > 0 and n + count > limit then return {0, 'inflight', n, limit, 'pool'} end
 if max_queued > 0 then
   local queued = 0
   for _, v in ipairs(redis.call('HVALS', KEYS[2])) do queued = queued + tonumber(v) end
-  if queued > 0 and queued + prompt > max_queued then return {0, 'tokens', queued, max_queued} end
+  if queued > 0 and queued + prompt > max_queued then
+    return {0, 'tokens', queued, max_queued, 'pool'}
+  end
 end
 
 -- Workers below their own bound (a request's siblings ride with it: they may take its worker
 -- up to k past the bound, as they cost it no prefill of their own).
-local open = {}
+local open, mine = {}, 0
 for _, w in ipairs(live) do
+  mine = mine + w.running
   if per_worker == 0 or w.running < per_worker then open[#open + 1] = w end
 end
-if #live > 0 and #open == 0 then return {0, 'inflight', n, limit} end
+if #live > 0 and #open == 0 then return {0, 'inflight', mine, per_worker * #live, 'model'} end
 
 -- How many of the prompt's leading blocks the worker holds or was already sent. Most workers
 -- hold no block of a given prompt: the first block alone rules them out (two O(1) calls), so a
@@ -187,7 +189,7 @@ if #members > 0 and policy == 'cache_aware' then
   redis.call('PEXPIRE', routed, routed_ttl)
 end
 -- Each sibling is expected to reuse the whole prompt but its last token, from the first.
-local shared = math.max(prompt - 1, 0)
-redis.call('HINCRBY', KEYS[4], 'predicted_tokens:' .. chosen.wid, chosen.cached + k * shared)
+local predicted = chosen.cached + k * math.max(prompt - 1, 0)
+redis.call('HINCRBY', KEYS[4], 'predicted_tokens:' .. chosen.wid, predicted)
 redis.call('HINCRBY', KEYS[4], 'routed:' .. chosen.wid, count)
-return {1, outcome, chosen.wid, chosen.cached, cost, n + count, limit, routed_score}
+return {1, outcome, chosen.wid, predicted, cost, n + count, limit, routed_score}

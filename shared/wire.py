@@ -167,7 +167,7 @@ class GenerationRequest:
     # Fields left out of the wire at their default, so a worker from before them still reads
     # the requests that do not use them (a rolling upgrade mixes versions for a while).
     OMITTED_AT_DEFAULT: ClassVar[dict[str, Any]] = {
-        "group": "", "prompt_logprobs": None, "echo": False,
+        "grammar": None, "group": "", "prompt_logprobs": None, "echo": False,
     }  # fmt: skip
 
     def to_wire(self) -> dict[str, Any]:

@@ -141,3 +141,65 @@ def test_while_shut_the_router_refuses_at_its_door_and_a_local_end_opens_it(
         assert client.post("/v1/completions", json=good).status_code == 429
         other.release_sync("other", r)
         assert client.post("/v1/completions", json=malformed).status_code == 429
+
+
+# -- what the ledger shuts, on a real Redis ----------------------------------------------------
+
+
+def _live_worker(r: redis.Redis, wid: str, model: str) -> None:
+    r.sadd(keys.workers_roster(), wid)
+    r.hset(keys.worker_info(wid), mapping={"pid": "1", "model": model, "epoch": "e"})
+    r.pexpire(keys.worker_info(wid), keys.LIVENESS_TTL_S * 1000)
+
+
+def test_a_busy_model_shuts_only_its_own_door_and_never_refuses_another(redis_url: str) -> None:
+    """Model A's two workers at their bound refuse A's requests (and shut the gate for A only);
+    model B's idle worker still takes B's, whatever A has in flight."""
+    r = redis.Redis.from_url(redis_url)
+    config = AdmissionConfig(max_inflight=100, max_inflight_per_worker=2, busy_hold_ms=60_000)
+    ledger = AdmissionLedger(config, RoutingConfig(), PromptCacheConfig(), r,
+                             aioredis.Redis.from_url(redis_url))  # fmt: skip
+    for wid, model in (("a1", "A"), ("a2", "A"), ("b1", "B")):
+        _live_worker(r, wid, model)
+    held = [f"a{i}" for i in range(4)]
+    try:
+        assert all(isinstance(ledger.reserve(rid, 4, "A", []), Placement) for rid in held)
+        refused = ledger.reserve("a-more", 4, "A", [])
+        assert not isinstance(refused, Placement)
+        assert (refused.reason, refused.scope, refused.current, refused.bound) == (
+            "inflight", "model", 4, 4)  # fmt: skip
+        assert ledger.gate.refusal("A") is not None
+        assert ledger.gate.refusal() is None and ledger.gate.refusal("B") is None
+        b = ledger.reserve("b0", 4, "B", [])
+        assert isinstance(b, Placement) and b.worker_id == "b1"
+        held.append("b0")
+    finally:
+        for rid in held:
+            ledger.release_sync(rid, r)
+        r.delete(keys.workers_roster(), *(keys.worker_info(w) for w in ("a1", "a2", "b1")))
+
+
+def test_too_many_choices_or_a_stale_count_shut_nothing(redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    config = AdmissionConfig(max_inflight=3, max_inflight_per_worker=0, busy_hold_ms=60_000)
+    ledger = AdmissionLedger(config, RoutingConfig(), PromptCacheConfig(), r,
+                             aioredis.Redis.from_url(redis_url))  # fmt: skip
+    try:
+        assert isinstance(ledger.reserve("one", 4, "m", []), Placement)
+        # Three more choices do not fit in the two places left, but a lone request would.
+        group = ledger.reserve("g0", 4, "m", [], siblings=["g1", "g2"])
+        assert not isinstance(group, Placement) and group.scope == "pool"
+        assert ledger.gate.refusal() is None
+        # A refusal read before a release of this process is stale: it shuts nothing.
+        assert all(isinstance(ledger.reserve(rid, 4, "m", []), Placement) for rid in ("x", "y"))
+        opened = ledger.gate.opened
+        ledger.release_sync("x", r)
+        ledger.gate.close("m", "full", pool_wide=True, opened=opened)
+        assert ledger.gate.refusal() is None
+        # ...while a fresh one does: the pool is full again.
+        assert isinstance(ledger.reserve("z", 4, "m", []), Placement)
+        assert not isinstance(ledger.reserve("w", 4, "m", []), Placement)
+        assert ledger.gate.refusal() is not None
+    finally:
+        for rid in ("one", "y", "z"):
+            ledger.release_sync(rid, r)

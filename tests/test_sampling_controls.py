@@ -419,6 +419,13 @@ def test_echo_returns_the_prompt_then_its_completion(
                                              "echo": True}))  # fmt: skip
     starts = [c["text"][: len(prompt if c["index"] < 2 else fox)] for c in many["choices"]]
     assert starts == [prompt, prompt, fox, fox]
+    # A prompt whose last character spans several tokens: the completion continues it as the
+    # whole text decodes, never with a U+FFFD for the character's tail.
+    for wide in ("I like 😀", "naïve café 東京"):
+        ids = tiny.tokenizer.encode(wide, add_special_tokens=False)
+        got = ok(post(pool, "/v1/completions", {"prompt": wide, "max_tokens": 6, "echo": True}))
+        more, _ = reference_greedy(tiny, ids, 6)
+        assert got["choices"][0]["text"] == wide + tiny.tokenizer.decode(ids + more)[len(wide) :]
     # Without echo, max_tokens 0 is refused, naming the param.
     refused = post(pool, "/v1/completions", {"prompt": prompt, "max_tokens": 0})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"

@@ -141,7 +141,7 @@ def test_a_rejected_token_fails_its_request_alone(tiny: Model) -> None:
     assert req is not None and req.grammar is not None
     req.grammar.advance([SPECIAL])
     run_until_done(engine, 60, run)
-    assert_failed(run, "bad", "server_error")
+    assert_failed(run, "bad", "invalid_request_error")
     assert "response_format" in run.last("bad").error
     assert run.last("good").finish_reason == "length"
     assert run.tokens("good") == alone(tiny, spec("good", P2, 12)).tokens("good")
@@ -149,7 +149,8 @@ def test_a_rejected_token_fails_its_request_alone(tiny: Model) -> None:
 
 def test_a_pathological_regex_fails_its_request_alone_and_soon(tiny: Model) -> None:
     """It compiles lazily (the router's check passes it); llguidance's lexer limits
-    (shared.wire.GRAMMAR_LIMITS) end it within the first steps, not the batch."""
+    (shared.wire.GRAMMAR_LIMITS) end it within the first steps, not the batch, as the caller's
+    error (a 400), not the server's."""
     engine = make_engine(tiny)
     run = Run()
     run.add(
@@ -159,7 +160,7 @@ def test_a_pathological_regex_fails_its_request_alone_and_soon(tiny: Model) -> N
     started = time.monotonic()
     run_until_done(engine, 60, run)
     assert time.monotonic() - started < 10
-    assert_failed(run, "re", "server_error")
+    assert_failed(run, "re", "invalid_request_error")
     assert run.tokens("good") == alone(tiny, spec("good", P2, 12)).tokens("good")
 
 

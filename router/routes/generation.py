@@ -272,7 +272,10 @@ async def admit_and_submit(
                 state.dispatcher.enqueue(gen, where.worker_id)
                 enqueued += 1
         except BaseException:
-            for gen, _ in placed[enqueued:]:
+            # None of the request is answered: the choices already enqueued are cancelled (no
+            # worker runs them for nobody) and every choice's reservation goes.
+            state.dispatcher.cancel_sync([gen.request_id for gen, _ in placed[:enqueued]])
+            for gen, _ in placed:
                 state.dispatcher.ledger.release_sync(gen.request_id, state.dispatcher.sync_redis)
             raise
         return admission

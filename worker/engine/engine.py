@@ -47,6 +47,9 @@ log = logging.getLogger("mlxcel.worker.engine")
 
 # A cache hit leaving at most this many prompt tokens to compute starts in one forward pass.
 FAST_START_MAX_TOKENS = 64
+# An echoed completion's detokenizer is fed this many of the prompt's last tokens first: more
+# than one character's bytes ever span.
+PRIMING_TOKENS = 8
 INVALID = "invalid_request_error"
 SERVER = "server_error"
 TIMEOUT = "timeout"
@@ -158,7 +161,7 @@ class Engine:
         try:
             self._check(spec)
             if spec.echo:  # its text continues the prompt's
-                req.text.prime(spec.prompt_tokens[-1])
+                req.text.prime(spec.prompt_tokens[-PRIMING_TOKENS:])
             req.sampler = make_request_sampler(spec, self.vocab_size)
             req.processors = make_logits_processors(spec)
             if spec.grammar is not None:
@@ -359,8 +362,8 @@ class Engine:
         req.prompt_ready = True  # the caches now cover the whole prompt
         if req.grammar is not None:
             req.grammar.advance([token])  # BatchGenerator's first call then has nothing new
-            if req.grammar.error:
-                raise RuntimeError(f"response_format: {req.grammar.error}")
+            if req.grammar.error:  # the grammar's own limits, not the caller's luck: a 400
+                raise GrammarError(f"response_format: {req.grammar.error}")
         self.counters.batch_prefill_tokens += len(remaining)
         req.status = RequestStatus.DECODING
         budget_reason = "length" if spec.max_tokens == 1 else None
@@ -405,10 +408,11 @@ class Engine:
                 continue
             try:
                 if req.grammar is not None and req.grammar.error:
-                    # Its processor consumed r.token in this step and refused it (or allowed
-                    # nothing): this request fails, the batch runs on.
+                    # Its matcher refused a token its own mask allowed, or allowed nothing: the
+                    # grammar went past llguidance's limits (shared.wire.GRAMMAR_LIMITS), so
+                    # this request fails as the caller's (a 400), and the batch runs on.
                     error = f"response_format: {req.grammar.error}"
-                    self._abandon(req, RequestStatus.FAILED, error, SERVER, out)
+                    self._abandon(req, RequestStatus.FAILED, error, INVALID, out)
                     continue
                 req.status = RequestStatus.DECODING
                 entry = entries.get(r.uid)

@@ -6,10 +6,10 @@ chunks of `prefill_step_size` positions: each chunk's logits (positions x vocabu
 entries of the tokens that follow them. The pass is also the request's prefill: its cache, which
 then covers the prompt but its last token, is what the request starts decoding from, so the
 prompt is computed once. It adopts nothing from the prompt cache (every position's logits are
-wanted, and a cached prefix keeps no logits), and it runs in the worker's loop, so the batch's
-running streams wait for it as for any admission's own pass: about the time a batched prefill of
-the prompt takes, plus the vocabulary-wide logits and log-softmax of every position (a chunk's
-logits are `prefill_step_size x vocab` floats).
+wanted, and a cached prefix keeps no logits), and it runs whole, at admission, in the worker's
+loop: the batch's running streams get no token until it ends (a batched prefill is spread over
+steps, this pass is not), which takes the prompt's whole prefill plus the vocabulary-wide logits
+and log-softmax of every position (a chunk's logits are `prefill_step_size x vocab` floats).
 
 The numbers are the model's own log-softmax (no penalties, bias or grammar: those shape what
 the request samples, not what the prompt was), which for neutral controls is exactly what a

@@ -24,10 +24,12 @@ class TextStream:
     _stopped: bool = False
     _pushed: bool = False
 
-    def prime(self, token: int) -> None:
-        """Continue the text after `token` (the prompt's last, whose text the client has): its
-        own text is dropped, and what follows keeps its leading space."""
-        self.detokenizer.add_token(token)
+    def prime(self, tokens: list[int]) -> None:
+        """Continue the text after `tokens` (the prompt's last few, whose text the client has):
+        their own text is dropped, and what follows keeps its leading space. Several, so a
+        character whose bytes span the prompt's last tokens is decoded whole, not as U+FFFD."""
+        for token in tokens:
+            self.detokenizer.add_token(token)
         _ = self.detokenizer.last_segment
 
     def push(self, token: int) -> TextDelta:

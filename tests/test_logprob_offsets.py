@@ -1,0 +1,40 @@
+"""`text_offset` of tokens that came in one delta (router/logprobs.py): each token is placed
+where its text starts in the returned text, by the exact rule for a short run and forward for a
+long one (an echoed prompt), and both agree on text whose characters each fit one token."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.logprobs import EXACT_RUN, LogprobRenderer, TokenLogprob, TokenTable
+
+PIECES = [b"The", b" quick", b" brown", b" fox", b"\xe6\x9d", b"\xb1", b" caf\xc3", b"\xa9"]
+
+
+def offsets(ids: list[int], start: int = 0) -> list[int]:
+    renderer = LogprobRenderer(TokenTable(PIECES), chat=False)
+    text = b"".join(PIECES[i] for i in ids).decode("utf-8", "replace")
+    tokens = [TokenLogprob(i, -1.0, [], start) for i in ids]
+    return renderer.render(tokens, start + len(text))["text_offset"]
+
+
+def where(ids: list[int], start: int = 0) -> list[int]:
+    """Each token's start in the text, counted by decoding the tokens before it."""
+    return [start + len(b"".join(PIECES[i] for i in ids[:k]).decode()) for k in range(len(ids))]
+
+
+@pytest.mark.parametrize("repeat", [1, EXACT_RUN])  # a short run, then one past EXACT_RUN
+def test_tokens_of_one_delta_each_get_their_own_offset(repeat: int) -> None:
+    words = [0, 1, 2, 3] * repeat
+    assert offsets(words, start=7) == where(words, start=7)
+
+
+@pytest.mark.parametrize("repeat", [1, EXACT_RUN])
+def test_a_character_split_over_tokens_counts_once(repeat: int) -> None:
+    ids = [0, 4, 5, 6, 7] * repeat  # "The東 café" again and again: 東 and é span two tokens
+    got = offsets(ids)
+    text = b"".join(PIECES[i] for i in ids).decode()
+    assert got == sorted(got) and got[-1] < len(text)
+    for k, i in enumerate(ids):
+        if i in (0, 6):  # a token that starts a character starts where its text does
+            assert text[got[k] :].startswith(PIECES[i][:3].decode())
