@@ -55,6 +55,19 @@ def wait_for(predicate: Any, timeout: float = 10.0, what: str = "condition") -> 
         time.sleep(0.05)
 
 
+TINY_MODEL = "mlxcel-tiny-s0"  # the tiny dev model's id
+
+
+def post(pool: Any, path: str, body: dict[str, Any]) -> httpx.Response:
+    """POST `body` to the pool, for the tiny model unless the body names one."""
+    return httpx.post(f"{pool.url}{path}", json={"model": TINY_MODEL, **body}, timeout=60)
+
+
+def ok(resp: httpx.Response) -> dict[str, Any]:
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
 def sse_events(response: httpx.Response) -> list[dict[str, Any]]:
     """Parse an SSE body into its JSON chunks (stops at [DONE])."""
     chunks = []

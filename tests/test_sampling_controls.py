@@ -14,14 +14,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from shared.model_facts import model_facts
 from shared.wire import GenerationRequest
-from tests.pool_fixture import running_pool, sse_events
+from tests.pool_fixture import ok, post, running_pool, sse_events
 from tests.test_engine import (
     LONG,
     P1,
@@ -321,7 +320,6 @@ def test_logprobs_come_after_the_processors_and_before_temperature(
 
 # -- through the pool: OpenAI shapes and 400s ----------------------------------------------------
 
-MODEL = "mlxcel-tiny-s0"
 CHAT = [{"role": "user", "content": "1, 2, 3, 4, 5,"}]
 
 
@@ -331,15 +329,6 @@ def pool(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         tiny_model_dir, tmp_path_factory.mktemp("controls"), overrides={"worker": {"batch_size": 4}}
     ) as p:
         yield p
-
-
-def post(pool: Any, path: str, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(f"{pool.url}{path}", json={"model": MODEL, **body}, timeout=60)
-
-
-def ok(resp: httpx.Response) -> dict[str, Any]:
-    assert resp.status_code == 200, resp.text
-    return resp.json()
 
 
 def test_completion_logprobs_legacy_shape(pool: Any, tiny: Model, counting: list[int]) -> None:

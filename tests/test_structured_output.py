@@ -19,14 +19,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from llguidance import LLMatcher
 
 from router.structured_output import JSON_DEFAULTS
 from shared.model_facts import model_facts
 from shared.wire import MAX_GRAMMAR_BYTES
-from tests.pool_fixture import running_pool, sse_events
+from tests.pool_fixture import ok, post, running_pool, sse_events
 from tests.test_engine import (
     LONG,
     P1,
@@ -174,7 +173,6 @@ def test_a_grammar_the_worker_cannot_compile_fails_at_admission(tiny: Model) -> 
 
 # -- through the pool --------------------------------------------------------------------------
 
-MODEL = "mlxcel-tiny-s0"
 PROMPT = "1, 2, 3, 4, 5,"
 CHAT = [{"role": "user", "content": PROMPT}]
 JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA,
@@ -188,15 +186,6 @@ def pool(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         overrides={"worker": {"batch_size": 4}, "router": {"processes": 1}},
     ) as p:  # fmt: skip
         yield p
-
-
-def post(pool: Any, path: str, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(f"{pool.url}{path}", json={"model": MODEL, **body}, timeout=60)
-
-
-def ok(resp: httpx.Response) -> dict[str, Any]:
-    assert resp.status_code == 200, resp.text
-    return resp.json()
 
 
 def chat(pool: Any, **body: Any) -> dict[str, Any]:
