@@ -18,7 +18,7 @@ from typing import Any
 
 from router.errors import APIError
 from router.openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest
-from router.structured_output import FormatError, grammar_for
+from router.structured_output import FormatError, forced_call_grammar, grammar_for
 from router.tokenization import RESERVED_TEMPLATE_KWARGS, ChatTemplateError, PromptTokenizer
 from shared.wire import (
     MAX_LOGIT_BIAS,
@@ -343,6 +343,32 @@ def _template_message(i: int, m: ChatMessage) -> dict[str, Any]:
     return out
 
 
+def _forced_function(body: ChatCompletionRequest) -> str | None | bool:
+    """What tool_choice forces: False nothing ("auto", "none", omitted), None a call of any of
+    the tools ("required"), else the name of the function to call."""
+    choice = body.tool_choice
+    if choice is None or choice in ("auto", "none"):
+        return False
+    return None if choice == "required" else choice.function.name
+
+
+def _forced_call(
+    body: ChatCompletionRequest, tools: list[dict[str, Any]] | None, tok: PromptTokenizer
+) -> str | None:
+    """The grammar that makes the model write the call tool_choice forces (exactly one, in the
+    template's tool-call format), or None when it forces none."""
+    name = _forced_function(body)
+    if name is False or not tools:
+        return None
+    if body.response_format not in (None, {"type": "text"}):
+        raise _invalid("A 'tool_choice' that forces a call cannot be combined with a "
+                       "'response_format'.", "tool_choice")  # fmt: skip
+    try:
+        return forced_call_grammar(tools, name, tok.tool_parser(body.chat_template), tok)
+    except FormatError as exc:
+        raise _invalid(str(exc), "tool_choice") from exc
+
+
 def chat_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     """The tools the template renders (and the parser may type arguments by): none when
     tool_choice is "none"; a named tool_choice must name one of them."""
@@ -357,12 +383,7 @@ def chat_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
         if choice.function.name not in names:
             raise _invalid(f"'tool_choice' names the function {choice.function.name!r}, "
                            "which 'tools' does not declare.", "tool_choice")  # fmt: skip
-    # Forcing a call is not implemented (response_format's grammars do not cover tool calls):
-    # refused, so a client never believes a call is guaranteed when it is not.
-    if choice is not None and choice != "auto":
-        raise _invalid("Only tool_choice 'auto' or 'none' is supported (no constrained decoding "
-                       "to force a call).", "tool_choice")  # fmt: skip
-    if body.parallel_tool_calls is False:
+    if body.parallel_tool_calls is False and _forced_function(body) is False:
         raise _invalid("'parallel_tool_calls: false' is not supported: the model may make "
                        "several calls.", "parallel_tool_calls")  # fmt: skip
     return tools
@@ -466,6 +487,9 @@ def admit_chat(body: ChatCompletionRequest, ctx: AdmissionContext) -> Admission:
         _check_refused_fields(body)
         _stop_list(body.stop)
         controls = _sampling_controls(body, ctx.tokenizer)
+        forced = _forced_call(body, chat_tools(body), ctx.tokenizer)
+        if forced is not None:
+            controls["grammar"] = forced
         tokens, signature = _chat_tokens(body, ctx)
         param, requested = _requested_max_tokens(body)
         max_tokens = _max_tokens(requested, param, len(tokens), "messages", ctx)

@@ -106,12 +106,12 @@ def _source(fmt: dict[str, Any], kind: str) -> str:
     return text
 
 
-def _validate(grammar: str, tokenizer: PromptTokenizer) -> None:
+def _validate(grammar: str, tokenizer: PromptTokenizer, what: str = f"'{PARAM}'") -> None:
     try:
         ll_tokenizer = tokenizer.grammar_tokenizer()
     except Exception as exc:  # not a fast tokenizer, a vocabulary llguidance cannot read
         raise FormatError(
-            f"'response_format' is not available for this model's tokenizer: {_short(exc)}"
+            f"{what} is not available for this model's tokenizer: {_short(exc)}"
         ) from exc
     try:
         is_error, messages = LLMatcher.validate_grammar_with_warnings(
@@ -121,7 +121,55 @@ def _validate(grammar: str, tokenizer: PromptTokenizer) -> None:
         is_error, messages = True, [_short(exc)]
     if is_error:
         detail = _clip(messages[0]) if messages else "rejected by llguidance"
-        raise FormatError(f"'response_format' is not a valid format: {detail}")
+        raise FormatError(f"{what} cannot be enforced: {detail}")
+
+
+# mlx-lm tool-call formats a grammar can make the model write: the call between the parser's
+# markers is one JSON object {"name": ..., "arguments": {...}}.
+JSON_CALL_FORMATS = frozenset({"json_tools"})
+
+
+def forced_call_grammar(
+    tools: list[dict[str, Any]], name: str | None, parser: Any, tokenizer: PromptTokenizer
+) -> str:
+    """A grammar under which the model writes exactly one call, in the template's tool-call
+    format (`parser`: router.tool_calls.ToolParser), of the function `name` (None: any of
+    `tools`), its arguments valid against that function's parameters. FormatError when the
+    format is not one a grammar can write or a parameter schema does not compile."""
+    if parser is None or parser.name not in JSON_CALL_FORMATS:
+        known = parser.name if parser is not None else "none"
+        raise FormatError(
+            f"Forcing a tool call needs a chat template whose calls are JSON between markers "
+            f"({', '.join(sorted(JSON_CALL_FORMATS))}); this template's format is {known}."
+        )
+    variants = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": fn["name"]},
+                "arguments": fn.get("parameters") or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for fn in (t["function"] for t in tools)
+        if name is None or fn["name"] == name
+    ]
+    schema: dict[str, Any] = variants[0] if len(variants) == 1 else {"oneOf": variants}
+    schema = {**schema, "x-guidance": JSON_DEFAULTS}
+    try:
+        lark = (
+            f"start: {json.dumps(parser.start)} call {json.dumps(parser.end)}\n"
+            f"call: %json {json.dumps(schema, ensure_ascii=False, allow_nan=False)}"
+        )
+        grammar = LLMatcher.grammar_from_lark(lark)
+    except Exception as exc:
+        raise FormatError(f"The tools' parameters cannot be compiled: {_short(exc)}") from exc
+    size = len(grammar.encode("utf-8"))
+    if size > MAX_GRAMMAR_BYTES:
+        raise FormatError(_too_big(size))
+    _validate(grammar, tokenizer, "A forced tool call")
+    return grammar
 
 
 def _too_big(size: int) -> str:

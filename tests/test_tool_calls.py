@@ -57,6 +57,12 @@ TOOLS_TEMPLATE = (
     "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
 )
 
+# A template that renders tools but names no tool-call format mlx-lm knows.
+PLAIN_TEMPLATE = (
+    "{%- for tool in tools or [] %}{{ tool.function.name }}\n{%- endfor %}"
+    "{%- for message in messages %}{{ message.role }}: {{ message.content }}\n{%- endfor %}"
+)
+
 WEATHER = {
     "type": "function",
     "function": {
@@ -288,9 +294,10 @@ def test_tool_choice_none_leaves_tools_out(
         ({"tools": [{"type": "retrieval"}]}, "tools.0.type"),
         ({"tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice"),
         ({"tools": None, "tool_choice": "required"}, "tool_choice"),
-        ({"tool_choice": "required"}, "tool_choice"),  # not enforceable: refused, not ignored
-        ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-         "tool_choice"),
+        # A call forced on a template whose call format no grammar writes: refused, not ignored.
+        ({"tool_choice": "required", "chat_template": PLAIN_TEMPLATE}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+          "response_format": {"type": "json_object"}}, "tool_choice"),
         ({"parallel_tool_calls": False}, "parallel_tool_calls"),
         ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
         ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
@@ -375,4 +382,59 @@ def test_a_tool_call_the_model_writes_is_parsed(real_pool: Any, model_id: str) -
     streamed_args = "".join(tc["function"].get("arguments") or "" for tc in calls)
     assert json.loads(streamed_args) == args  # greedy: the same call as the one above
     assert not "".join(d.get("content") or "" for d in deltas)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def _tool(name: str, arg: str, values: list[str]) -> dict[str, Any]:
+    """A function whose one argument is one of `values`: a call the grammar bounds."""
+    params = {"type": "object", "properties": {arg: {"type": "string", "enum": values}},
+              "required": [arg], "additionalProperties": False}  # fmt: skip
+    return {"type": "function", "function": {"name": name, "parameters": params}}
+
+
+CITY, ZONE = _tool("get_city", "city", ["Paris", "Rome"]), _tool("get_time", "zone", ["UTC", "CET"])
+
+
+def _forced(real_pool: Any, model_id: str, choice: Any, **extra: Any) -> dict[str, Any]:
+    body = {"model": model_id, "messages": [{"role": "user", "content": "Help?"}],
+            "chat_template": TOOLS_TEMPLATE, "tools": [CITY, ZONE], "tool_choice": choice,
+            "max_tokens": 64, "temperature": 0, **extra}  # fmt: skip
+    resp = httpx.post(f"{real_pool.url}/v1/chat/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_tool_choice_required_makes_the_model_call_a_tool(real_pool: Any, model_id: str) -> None:
+    """The random-weight model, left to itself, never calls a tool; "required" makes it write
+    exactly one call of a declared tool with valid arguments."""
+    choice = _forced(real_pool, model_id, "required")["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    (call,) = choice["message"]["tool_calls"]
+    args = json.loads(call["function"]["arguments"])
+    allowed = {"get_city": ("city", {"Paris", "Rome"}), "get_time": ("zone", {"UTC", "CET"})}
+    arg, values = allowed[call["function"]["name"]]
+    assert set(args) == {arg} and args[arg] in values
+    unforced = _forced(real_pool, model_id, "auto")["choices"][0]
+    assert unforced["finish_reason"] != "tool_calls" and not unforced["message"].get("tool_calls")
+
+
+def test_a_named_tool_choice_calls_that_function(real_pool: Any, model_id: str) -> None:
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for parallel in (None, False):  # one call is forced: parallel_tool_calls false holds
+        choice = _forced(real_pool, model_id, named, parallel_tool_calls=parallel)["choices"][0]
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_time"
+        assert json.loads(call["function"]["arguments"])["zone"] in ("UTC", "CET")
+    chunks = []
+    body = {"model": model_id, "messages": [{"role": "user", "content": "Help?"}],
+            "chat_template": TOOLS_TEMPLATE, "tools": [CITY, ZONE], "tool_choice": named,
+            "max_tokens": 64, "temperature": 0, "stream": True}  # fmt: skip
+    with httpx.stream("POST", f"{real_pool.url}/v1/chat/completions", json=body,
+                      timeout=60) as streamed:  # fmt: skip
+        for line in streamed.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    calls = [tc for c in chunks if c["choices"] for tc in c["choices"][0]["delta"].get(
+        "tool_calls") or []]  # fmt: skip
+    assert calls and calls[0]["function"]["name"] == "get_time"
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
