@@ -168,8 +168,9 @@ class LogprobRenderer:
         """Each token's `text_offset`. Tokens that came in one delta share its start; each is
         placed where the delta's text minus the text of it and the tokens after it ends (a
         character split over tokens counts once), within the delta's span. A run longer than
-        EXACT_RUN (an echoed prompt) is placed forward instead, by the characters its tokens
-        before it decode to: linear, where the exact rule is quadratic in the run."""
+        EXACT_RUN (an echoed prompt) is placed by the characters the tokens from it to the run's
+        end decode to, counted forward: linear, where the exact rule is quadratic in the run.
+        Both count back from the run's end, so text before its tokens' own (a BOS's) is skipped."""
         out = [t.offset for t in tokens]
         i = 0
         while i < len(tokens):
@@ -184,11 +185,15 @@ class LogprobRenderer:
                     for k in range(j, i, -1):
                         tail = self.table.bytes_of(tokens[k].token) + tail
                         out[k] = min(max(start, stop - len(tail.decode("utf-8", "replace"))), stop)
-                else:
-                    decoder, chars = codecs.getincrementaldecoder("utf-8")("replace"), 0
+                else:  # each token's text before it, counted forward, placed from the end
+                    decoder, before = codecs.getincrementaldecoder("utf-8")("replace"), []
+                    chars = 0
                     for k in range(i, j + 1):
-                        out[k] = min(start + chars, stop)
+                        before.append(chars)
                         chars += len(decoder.decode(self.table.bytes_of(tokens[k].token)))
+                    chars += len(decoder.decode(b"", final=True))
+                    for k, seen in zip(range(i, j + 1), before, strict=True):
+                        out[k] = min(max(start, stop - (chars - seen)), stop)
             i = j + 1
         return out
 

@@ -142,20 +142,27 @@ def forced_call_grammar(
             f"Forcing a tool call needs a chat template whose calls are JSON between markers "
             f"({', '.join(sorted(JSON_CALL_FORMATS))}); this template's format is {known}."
         )
-    variants = [
-        {
+    variants = []
+    for i, fn in enumerate(t["function"] for t in tools):
+        if name is not None and fn["name"] != name:
+            continue
+        params = fn.get("parameters") or {"type": "object"}
+        if params.get("type", "object") != "object":
+            raise FormatError(f"The parameters of {fn['name']!r} must be an object schema.")
+        # Its own base URI: a `#...` $ref in the parameters resolves against them, not against
+        # the call object they are nested in.
+        params = {"$id": f"urn:mlxcel:tool:{i}", **params}
+        variants.append({
             "type": "object",
-            "properties": {
-                "name": {"const": fn["name"]},
-                "arguments": fn.get("parameters") or {"type": "object"},
-            },
+            "properties": {"name": {"const": fn["name"]}, "arguments": params},
             "required": ["name", "arguments"],
             "additionalProperties": False,
-        }
-        for fn in (t["function"] for t in tools)
-        if name is None or fn["name"] == name
-    ]
-    schema: dict[str, Any] = variants[0] if len(variants) == 1 else {"oneOf": variants}
+        })  # fmt: skip
+    if not variants:
+        raise FormatError(f"No tool named {name!r} is declared.")
+    # anyOf, not oneOf: the names are consts, so the branches never overlap, and llguidance
+    # would have to prove that for oneOf (two tools of one name would be refused).
+    schema: dict[str, Any] = variants[0] if len(variants) == 1 else {"anyOf": variants}
     schema = {**schema, "x-guidance": JSON_DEFAULTS}
     try:
         lark = (

@@ -16,7 +16,7 @@ import pytest
 from shared.config import load_settings
 from shared.model_facts import model_facts
 from shared.wire import GenerationRequest, StreamEvent
-from worker.engine.engine import FAST_START_MAX_TOKENS, Engine
+from worker.engine.engine import FAST_START_MAX_TOKENS, IDLE_RELEASE_S, Engine
 from worker.engine.request import RequestStatus
 from worker.engine.results import Ended, StepResult
 from worker.main import _prompt_cache
@@ -738,16 +738,19 @@ def test_an_echoed_completion_keeps_its_leading_space(tiny: Model) -> None:
 
 
 def test_an_idle_step_gives_mlx_buffer_cache_back(tiny: Model) -> None:
-    """After the last request ends, the next (idle) step empties MLX's cache of freed buffers:
-    an idle worker's memory does not keep its busiest batch's peak."""
+    """Once the engine has been idle IDLE_RELEASE_S, its next step empties MLX's cache of freed
+    buffers: an idle worker's memory does not keep its busiest batch's peak."""
     import mlx.core as mx
 
-    engine = make_engine(tiny)
+    clock = FakeClock()
+    engine = make_engine(tiny, clock=clock)
     run = Run()
     for i in range(4):
         run.add(engine.admit(spec(f"r{i}", list(range(10 + i, 60 + i)), max_tokens=8)))
     run_until_done(engine, 64, run)
+    engine.step()  # idle, but only just: a next request would reuse the buffers
     assert mx.get_cache_memory() > 0  # the batch's freed buffers, kept for reuse
+    clock.advance(IDLE_RELEASE_S)
     engine.step()
     assert mx.get_cache_memory() == 0
     # ...and a request after it runs as before.

@@ -38,3 +38,16 @@ def test_a_character_split_over_tokens_counts_once(repeat: int) -> None:
     for k, i in enumerate(ids):
         if i in (0, 6):  # a token that starts a character starts where its text does
             assert text[got[k] :].startswith(PIECES[i][:3].decode())
+
+
+@pytest.mark.parametrize("repeat", [1, EXACT_RUN])
+def test_text_before_the_tokens_own_shifts_nothing(repeat: int) -> None:
+    """A run whose text starts with more than its tokens' bytes (a tokenizer's BOS text before
+    an echoed prompt): every token is still placed where its own text is, from the run's end."""
+    ids = [0, 1, 2, 3] * repeat
+    renderer = LogprobRenderer(TokenTable(PIECES), chat=False)
+    tokens = [TokenLogprob(i, -1.0, [], 0) for i in ids]
+    bos = "<|begin_of_text|>"
+    text = bos + b"".join(PIECES[i] for i in ids).decode()
+    got = renderer.render(tokens, len(text))["text_offset"]
+    assert got[1:] == where(ids, start=len(bos))[1:]

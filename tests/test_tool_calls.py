@@ -438,3 +438,36 @@ def test_a_named_tool_choice_calls_that_function(real_pool: Any, model_id: str) 
         "tool_calls") or []]  # fmt: skip
     assert calls and calls[0]["function"]["name"] == "get_time"
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_forced_call_grammar_follows_the_parameters_own_refs(tiny_model_dir: Path) -> None:
+    """Parameters with `$defs` (as pydantic writes them) resolve against themselves, not the
+    call object the grammar nests them in; two tools of one name compile; a non-object
+    parameters schema is refused."""
+    from llguidance import LLMatcher
+
+    from router.structured_output import FormatError, forced_call_grammar
+    from router.tokenization import load_tokenizer
+
+    tok = load_tokenizer(tiny_model_dir, 1)
+    parser = load_parser("json_tools")
+    location = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris"]}},
+                "required": ["city"], "additionalProperties": False}  # fmt: skip
+    params = {"type": "object", "properties": {"at": {"$ref": "#/$defs/Location"}},
+              "required": ["at"], "additionalProperties": False,
+              "$defs": {"Location": location}}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+    grammar = forced_call_grammar(tools, "f", parser, tok)
+
+    def accepts(text: str) -> bool:
+        matcher = LLMatcher(tok.grammar_tokenizer(), grammar, log_level=0)
+        ids = tok.hf.encode(text, add_special_tokens=False)
+        return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+
+    assert accepts('<tool_call>{"name":"f","arguments":{"at":{"city":"Paris"}}}</tool_call>')
+    assert not accepts('<tool_call>{"name":"f","arguments":{"at":{"city":"Rome"}}}</tool_call>')
+    twice = [*tools, {"type": "function", "function": {"name": "f"}}]
+    assert forced_call_grammar(twice, None, parser, tok)
+    stringly = [{"type": "function", "function": {"name": "s", "parameters": {"type": "string"}}}]
+    with pytest.raises(FormatError, match="object schema"):
+        forced_call_grammar(stringly, None, parser, tok)

@@ -47,6 +47,8 @@ log = logging.getLogger("mlxcel.worker.engine")
 
 # A cache hit leaving at most this many prompt tokens to compute starts in one forward pass.
 FAST_START_MAX_TOKENS = 64
+# An engine idle this long (engine clock) gives its spare memory back (worker/mlx_cpu).
+IDLE_RELEASE_S = 1.0
 # An echoed completion's detokenizer is fed this many of the prompt's last tokens first: more
 # than one character's bytes ever span.
 PRIMING_TOKENS = 8
@@ -104,7 +106,9 @@ class Engine:
         # llguidance's view of the tokenizer, built on the first response_format request.
         self._grammars = GrammarTokenizer(tokenizer, self.vocab_size, self._eos)
         self._last_reject_sent: dict[str, Any] | None = None
-        self._buffers_held = False  # a step ran since MLX's buffer cache was last cleared
+        # MLX has buffers cached since this engine last worked (at _busy_at, engine clock).
+        self._buffers_held = False
+        self._busy_at = 0.0
         # The one index of running requests, by BatchGenerator uid (a batch holds few, so a
         # lookup by request id scans it instead of keeping a second map in step).
         self._running: dict[int, Request] = {}
@@ -148,6 +152,7 @@ class Engine:
         request that cannot run ends here, failed, with an error event; nothing else changes."""
         out = StepResult()
         now = self.clock()
+        self._working()  # a request can end here (fast start, echo scoring) and leave buffers
         req = Request(
             spec=spec,
             ticket=ticket,
@@ -378,15 +383,21 @@ class Engine:
 
     # -- decode ----------------------------------------------------------------------------
 
+    def _working(self) -> None:
+        self._buffers_held, self._busy_at = True, self.clock()
+
     def step(self) -> StepResult:
         """One BatchGenerator step: a decode step for running sequences and a prefill chunk."""
         out = StepResult()
         if not self._running:
-            if self._buffers_held:  # idle since the last step: its spare memory goes back
+            # Idle a while: its spare memory goes back. Not at once: the release holds the GIL
+            # the publisher thread needs for the last events, and a client sending request
+            # after request would pay the allocations each time.
+            if self._buffers_held and self.clock() - self._busy_at >= IDLE_RELEASE_S:
                 release_idle_memory()
                 self._buffers_held = False
             return out
-        self._buffers_held = True
+        self._working()
         self._expire(out)
         try:
             with self.gen.stats() as stats:
