@@ -52,6 +52,9 @@ IDLE_RELEASE_S = 1.0
 # An echoed completion's detokenizer is fed this many of the prompt's last tokens first: more
 # than one character's bytes ever span.
 PRIMING_TOKENS = 8
+# How a request whose grammar failed while decoding says so (the worker cannot tell which field
+# the grammar came from).
+GRAMMAR_FAILED = "the grammar of response_format or tool_choice"
 INVALID = "invalid_request_error"
 SERVER = "server_error"
 TIMEOUT = "timeout"
@@ -174,12 +177,18 @@ class Engine:
                 req.grammar = self._grammars.constraint(spec)
                 req.processors.append(req.grammar)
             self._launch(req, out)
-        except (AdmissionError, GrammarError) as exc:
-            self._abandon(req, RequestStatus.FAILED, str(exc), INVALID, out)
         except Exception as exc:  # this request's own failure: the batch runs on without it
-            log.exception("admitting %s failed", spec.request_id)
-            self._abandon(req, RequestStatus.FAILED, _describe(exc), SERVER, out)
+            self._start_failed(req, exc, out)
         return self._drained(out)
+
+    def _start_failed(self, req: Request, exc: Exception, out: StepResult) -> None:
+        """A request that could not start fails alone: as the caller's error when its spec or
+        grammar is at fault, else as the server's."""
+        if isinstance(exc, AdmissionError | GrammarError):
+            self._abandon(req, RequestStatus.FAILED, str(exc), INVALID, out)
+            return
+        log.exception("starting %s failed", req.id)
+        self._abandon(req, RequestStatus.FAILED, _describe(exc), SERVER, out)
 
     def _check(self, spec: GenerationRequest) -> None:
         n = len(spec.prompt_tokens)
@@ -316,8 +325,7 @@ class Engine:
                     else:
                         self._start_shared(waiter, req, copies[i], out)
                 except Exception as exc:  # its own failure: the others start regardless
-                    log.exception("starting %s failed", waiter.id)
-                    self._abandon(waiter, RequestStatus.FAILED, _describe(exc), SERVER, out)
+                    self._start_failed(waiter, exc, out)
 
     def _resume_held(self, gone: Request, out: StepResult) -> None:
         """`gone` left before its prefill was done: the requests that waited on it start again
@@ -326,8 +334,7 @@ class Engine:
             try:
                 self._launch(req, out)
             except Exception as exc:
-                log.exception("starting %s failed", req.id)
-                self._abandon(req, RequestStatus.FAILED, _describe(exc), SERVER, out)
+                self._start_failed(req, exc, out)
 
     def _insert(
         self,
@@ -368,7 +375,7 @@ class Engine:
         if req.grammar is not None:
             req.grammar.advance([token])  # BatchGenerator's first call then has nothing new
             if req.grammar.error:  # the grammar's own limits, not the caller's luck: a 400
-                raise GrammarError(f"response_format: {req.grammar.error}")
+                raise GrammarError(f"{GRAMMAR_FAILED}: {req.grammar.error}")
         self.counters.batch_prefill_tokens += len(remaining)
         req.status = RequestStatus.DECODING
         budget_reason = "length" if spec.max_tokens == 1 else None
@@ -422,7 +429,7 @@ class Engine:
                     # Its matcher refused a token its own mask allowed, or allowed nothing: the
                     # grammar went past llguidance's limits (shared.wire.GRAMMAR_LIMITS), so
                     # this request fails as the caller's (a 400), and the batch runs on.
-                    error = f"response_format: {req.grammar.error}"
+                    error = f"{GRAMMAR_FAILED}: {req.grammar.error}"
                     self._abandon(req, RequestStatus.FAILED, error, INVALID, out)
                     continue
                 req.status = RequestStatus.DECODING
