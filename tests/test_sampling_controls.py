@@ -408,9 +408,10 @@ def test_echo_returns_the_prompt_then_its_completion(
                                              "echo": True}))  # fmt: skip
     starts = [c["text"][: len(prompt if c["index"] < 2 else fox)] for c in many["choices"]]
     assert starts == [prompt, prompt, fox, fox]
-    # A prompt whose last character spans several tokens: the completion continues it as the
-    # whole text decodes, never with a U+FFFD for the character's tail.
-    for wide in ("I like 😀", "naïve café 東京"):
+    # A prompt whose last character spans several tokens, or that ends in a space the
+    # detokenizer holds back: the completion continues it as the whole text decodes (never a
+    # U+FFFD for the character's tail, never the space twice).
+    for wide in ("I like 😀", "naïve café 東京", "Hello "):  # and one ending in a space token
         ids = tiny.tokenizer.encode(wide, add_special_tokens=False)
         got = ok(post(pool, "/v1/completions", {"prompt": wide, "max_tokens": 6, "echo": True}))
         more, _ = reference_greedy(tiny, ids, 6)

@@ -30,6 +30,8 @@ class TextStream:
         character whose bytes span the prompt's last tokens is decoded whole, not as U+FFFD."""
         for token in tokens:
             self.detokenizer.add_token(token)
+        # What it holds back (a byte-level BPE holds a trailing space) is the prompt's too.
+        self.detokenizer.finalize()
         _ = self.detokenizer.last_segment
 
     def push(self, token: int) -> TextDelta:
