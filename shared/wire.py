@@ -69,6 +69,16 @@ def _unpack_message(cls: type, data: Any) -> Any:
         raise WireError(f"{cls.__name__}: not a msgpack message ({exc})") from exc
 
 
+def _without_defaults(fields: dict[str, Any], omitted: dict[str, Any]) -> dict[str, Any]:
+    """`fields` (shallow-copied) without the newer fields that hold their default: a peer from
+    before them reads every message that does not use them (a rolling upgrade mixes versions)."""
+    out = dict(fields)
+    for name, default in omitted.items():
+        if out[name] == default and type(out[name]) is type(default):
+            del out[name]
+    return out
+
+
 def _from_dict(cls: Any, data: Any) -> Any:
     """Build `cls` from a map whose every key is one of `cls.WIRE_TYPES` and whose values have
     the exact types listed there; required fields are those without a dataclass default."""
@@ -171,13 +181,9 @@ class GenerationRequest:
     }  # fmt: skip
 
     def to_wire(self) -> dict[str, Any]:
-        # A shallow copy, not asdict, which deep-copies every prompt token on the router's
-        # enqueue path: rq packs this dict right away, so sharing the token list is harmless.
-        wire = dict(vars(self))
-        for name, default in self.OMITTED_AT_DEFAULT.items():
-            if wire[name] == default and type(wire[name]) is type(default):
-                del wire[name]
-        return wire
+        # Shallow, not asdict, which deep-copies every prompt token on the router's enqueue
+        # path: rq packs this dict right away, so sharing the token list is harmless.
+        return _without_defaults(vars(self), self.OMITTED_AT_DEFAULT)
 
     @classmethod
     def from_wire(cls, data: Any) -> GenerationRequest:
@@ -297,15 +303,13 @@ class StreamEvent:
         "worker_id": (str,), "error": (str,), "error_type": (str,),
     }  # fmt: skip
 
+    # As GenerationRequest's: a router from before prompt_logprobs reads every event of a
+    # request that does not ask for them.
+    OMITTED_AT_DEFAULT: ClassVar[dict[str, Any]] = {"prompt_logprobs": []}
+
     def to_wire(self) -> bytes:
-        # Packed once per token: the instance dict as it is, not asdict's deep copy; without
-        # prompt_logprobs unless a start carries some, so a router from before that field still
-        # reads every other request's events.
-        fields = vars(self)
-        if not self.prompt_logprobs:
-            fields = fields.copy()
-            del fields["prompt_logprobs"]
-        return pack(fields)
+        # Packed once per token: a shallow copy of the instance dict, not asdict's deep one.
+        return pack(_without_defaults(vars(self), self.OMITTED_AT_DEFAULT))
 
     @classmethod
     def from_wire(cls, data: bytes) -> StreamEvent:
