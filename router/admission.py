@@ -343,13 +343,9 @@ def _template_message(i: int, m: ChatMessage) -> dict[str, Any]:
     return out
 
 
-def _forced_function(body: ChatCompletionRequest) -> str | None | bool:
-    """What tool_choice forces: False nothing ("auto", "none", omitted), None a call of any of
-    the tools ("required"), else the name of the function to call."""
-    choice = body.tool_choice
-    if choice is None or choice in ("auto", "none"):
-        return False
-    return None if choice == "required" else choice.function.name
+def _forces_call(body: ChatCompletionRequest) -> bool:
+    """tool_choice "required" or a named function: the model must write a call."""
+    return body.tool_choice is not None and body.tool_choice not in ("auto", "none")
 
 
 def _forced_call(
@@ -357,9 +353,10 @@ def _forced_call(
 ) -> str | None:
     """The grammar that makes the model write the call tool_choice forces (exactly one, in the
     template's tool-call format), or None when it forces none."""
-    name = _forced_function(body)
-    if name is False or not tools:
+    choice = body.tool_choice
+    if not tools or choice is None or not _forces_call(body):
         return None
+    name = None if isinstance(choice, str) else choice.function.name  # "required": any tool
     if body.response_format not in (None, {"type": "text"}):
         raise _invalid("A 'tool_choice' that forces a call cannot be combined with a "
                        "'response_format'.", "tool_choice")  # fmt: skip
@@ -383,7 +380,7 @@ def chat_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
         if choice.function.name not in names:
             raise _invalid(f"'tool_choice' names the function {choice.function.name!r}, "
                            "which 'tools' does not declare.", "tool_choice")  # fmt: skip
-    if body.parallel_tool_calls is False and _forced_function(body) is False:
+    if body.parallel_tool_calls is False and not _forces_call(body):
         raise _invalid("'parallel_tool_calls: false' is not supported: the model may make "
                        "several calls.", "parallel_tool_calls")  # fmt: skip
     return tools
