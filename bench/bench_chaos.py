@@ -37,7 +37,7 @@ from typing import Any
 
 import aiohttp
 import redis
-from common import LOCK_HINT, REPO, machine_line, table, tiny_model_dir, write_json  # preloads BLAS
+from common import REPO, announce, output_args, table, tiny_model_dir, write_json  # preloads BLAS
 
 from mlxcel_pool.supervisor import REDIS, Pool, PoolError
 from tests.pool_fixture import running_pool
@@ -490,16 +490,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="3 s of steady load between faults")
     p.add_argument("--clients", type=int, default=6, help="concurrent client loops")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--work-dir", default=None, help="keep the pool's logs here")
-    p.add_argument("--json", default=None, help="write every request's outcome here")
+    output_args(p, "write every request's outcome here")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     plan = Plan.of(args)
-    print(f"# {machine_line()}", flush=True)
-    print(f"# {LOCK_HINT}", file=sys.stderr)
+    announce()
     model_dir = tiny_model_dir()
     print(f"# model {model_dir.name}; 2 workers, 1 router process, supervised (restart backoff "
           f"0.2 s); {plan.clients} clients, random prompt of {len(PROMPTS)}, streamed or not; "

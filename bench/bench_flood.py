@@ -46,7 +46,7 @@ import aiohttp
 import psutil
 import redis
 import redis.asyncio as aioredis
-from common import LOCK_HINT, machine_line, median, table, tiny_model_dir, write_json
+from common import announce, median, output_args, table, tiny_model_dir, write_json
 from rq import Queue
 
 from mlxcel_pool.supervisor import REDIS, Pool
@@ -560,16 +560,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32, help="MLXCEL_BATCH_SIZE per worker")
     p.add_argument("--busy-hold-ms", type=float, default=None,
                    help="MLXCEL_BUSY_HOLD_MS (default: the pool's)")  # fmt: skip
-    p.add_argument("--work-dir", default=None, help="keep the pool's logs here")
-    p.add_argument("--json", default=None, help="write every reply and sample here")
+    output_args(p, "write every reply and sample here")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     plan = Plan.of(args)
-    print(f"# {machine_line()}", flush=True)
-    print(f"# {LOCK_HINT}", file=sys.stderr)
+    announce()
     model_dir = tiny_model_dir()
     env = plan.env()
     print(f"# model {model_dir.name}; {len(WORKERS)} workers, 1 router process; "

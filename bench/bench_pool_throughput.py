@@ -38,18 +38,18 @@ from pathlib import Path
 from typing import Any
 
 from common import (
-    LOCK_HINT,
     SERVER_DEFAULTS,
     StreamResult,
+    announce,
     bench_model_dir,
     completion_body,
     distinct_prompts,
     load_hf_tokenizer,
-    machine_line,
     mean,
     median,
     mlx_lm_server,
     new_client,
+    output_args,
     pool_side,
     ratio,
     stream_request,
@@ -339,7 +339,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="concurrency 1,4 and max_tokens 32")
     p.add_argument("--concurrency", default="1,4,16,32")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--json", default=None, help="write the results here")
+    output_args(p, "write the results here", work_dir=False)
     # One by default: on a 2-core machine the worker needs both cores, and a second router
     # process takes CPU from it (bench/README.md).
     p.add_argument("--router-processes", type=int, default=1)
@@ -355,10 +355,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    machine = machine_line()
+    machine = announce()
     results = Results("pool_throughput")
-    print(f"# {machine}", flush=True)
-    print(f"# {LOCK_HINT}", file=sys.stderr)
     model_dir = bench_model_dir()
     tokenizer = load_hf_tokenizer(model_dir)
     engine = Engine(model_dir)

@@ -25,17 +25,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from common import (
-    LOCK_HINT,
     SERVER_DEFAULTS,
     StreamResult,
+    announce,
     bench_model_dir,
     chat_body,
     completion_body,
     load_hf_tokenizer,
-    machine_line,
     median,
     mlx_lm_server,
     new_client,
+    output_args,
     pool_side,
     ratio,
     stream_request,
@@ -305,7 +305,7 @@ def warm_up(sides: list[Side], texts: Texts) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer repeats, ~512-token prompts")
-    p.add_argument("--json", default=None, help="write the results here")
+    output_args(p, "write the results here", work_dir=False)
     return p.parse_args(argv)
 
 
@@ -313,9 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     plan = QUICK if args.quick else FULL
     results = Results("prefix_cache")
-    machine = machine_line()
-    print(f"# {machine}", flush=True)
-    print(f"# {LOCK_HINT}", file=sys.stderr)
+    machine = announce()
     model_dir = bench_model_dir()
     texts = Texts(load_hf_tokenizer(model_dir), plan)
     print(

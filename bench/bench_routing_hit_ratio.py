@@ -78,7 +78,7 @@ from typing import Any
 
 import aiohttp
 import redis
-from common import LOCK_HINT, machine_line, table, tiny_model_dir, write_json
+from common import announce, output_args, table, tiny_model_dir, write_json
 from results import Results
 
 from shared import keys
@@ -457,8 +457,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0,
         help="each worker's prompt-cache entry bound (default: the pool's, 1024)",
     )
-    p.add_argument("--work-dir", default=None, help="keep the pools' logs here")
-    p.add_argument("--json", default=None, help="write every reply here")
+    output_args(p, "write every reply here")
     return p.parse_args(argv)
 
 
@@ -468,8 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     if not plan.policies:
         sys.exit(f"--policies: none of {', '.join(POLICIES)}")
     results = Results("routing_hit_ratio")
-    print(f"# {machine_line()}", flush=True)
-    print(f"# {LOCK_HINT}", file=sys.stderr)
+    announce()
     model_dir = tiny_model_dir()
     convs = build_workload(plan)
     prompt_total, ideal, system_total = ideal_reuse(convs)

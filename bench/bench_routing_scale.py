@@ -61,7 +61,7 @@ import aiohttp
 import psutil
 import redis
 import redis.asyncio as aioredis
-from common import LOCK_HINT, REPO, machine_line, table, tiny_model_dir, write_json
+from common import REPO, announce, output_args, table, tiny_model_dir, write_json
 
 from router.admission_ledger import RELEASE_LUA, AdmissionLedger, Placement
 from shared import keys
@@ -764,16 +764,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--streams", type=int, default=32, help="streams while workers double")
     p.add_argument("--stages", default="", help="worker counts instead, e.g. 1,8,64")
     p.add_argument("--relay-streams", default="", help="the relay curve's stream counts")
-    p.add_argument("--work-dir", default=None, help="keep the pool's logs here")
-    p.add_argument("--json", default=None, help="write every number here")
+    output_args(p, "write every number here")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     plan = Plan.of(args)
-    print(f"# {machine_line()}", flush=True)
-    print(f"# {LOCK_HINT}", file=sys.stderr)
+    announce()
     model_dir = tiny_model_dir()
     print(f"# load average before: {' '.join(f'{x:.2f}' for x in psutil.getloadavg())}")
     print(f"# model {MODEL} (tokenizer only); synthetic workers {', '.join(map(str, plan.stages))}"

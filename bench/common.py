@@ -294,6 +294,22 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+def announce() -> str:
+    """Print the run's header (the machine line, and the lock hint on stderr); returns the
+    machine line for the results file."""
+    machine = machine_line()
+    print(f"# {machine}", flush=True)
+    print(f"# {LOCK_HINT}", file=sys.stderr)
+    return machine
+
+
+def output_args(p: Any, json_help: str, work_dir: bool = True) -> None:
+    """`--work-dir` (keep the pool's logs) and `--json` (where the run's numbers go)."""
+    if work_dir:
+        p.add_argument("--work-dir", default=None, help="keep the pool's logs here")
+    p.add_argument("--json", default=None, help=json_help)
+
+
 def machine_line() -> str:
     """Date, cores, CPU model, BLAS backend and measured matmul speed."""
     cpu = platform.processor() or platform.machine()
