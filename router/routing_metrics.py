@@ -4,6 +4,7 @@ router, are in Redis: `mlxcel:routing:stats`, served as the `routing` section of
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from shared.metrics import (
@@ -27,3 +28,11 @@ def observe_placement(placed: Placement) -> None:
 def observe_start(worker_id: str, cached_tokens: int) -> None:
     if worker_id:
         ROUTING_REUSED_TOTAL.labels(worker_id).inc(cached_tokens)
+
+
+def init_worker_series(worker_ids: Iterable[str]) -> None:
+    """Create each worker's routing series at 0: a registered worker's series exist before any
+    request is routed to it (prometheus_client writes a new child's file entry at 0)."""
+    for wid in worker_ids:
+        ROUTING_PREDICTED_TOTAL.labels(wid).inc(0)
+        ROUTING_REUSED_TOTAL.labels(wid).inc(0)

@@ -4,6 +4,8 @@ the workers of every host."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import anyio
 from fastapi import APIRouter
 from fastapi.responses import Response
@@ -13,12 +15,20 @@ from prometheus_client.core import GaugeMetricFamily
 from router.cache_stats import read_pool
 from router.pool_health import queue_depths
 from router.pool_metrics import PoolCollector, pool_families
+from router.routing_metrics import init_worker_series
 from router.state import StateDep
+from shared.cache_stats import WorkerCacheSnapshot
 from shared.metrics import scrape
 
 router = APIRouter()
 
 QUEUE_DEPTH = "mlxcel_queue_depth"
+
+
+def _scrape(path: Path, workers: list[WorkerCacheSnapshot], pool: PoolCollector) -> bytes:
+    # Every worker in the roster has its per-worker series in this scrape, at 0 until routed to.
+    init_worker_series(w.worker_id for w in workers)
+    return scrape(path, pool)
 
 
 @router.get("/metrics")
@@ -28,8 +38,8 @@ async def metrics(state: StateDep) -> Response:
     depths = await queue_depths(state, [w for w in workers if w.alive])
     families.append(GaugeMetricFamily(QUEUE_DEPTH, "Jobs waiting in the pool's rq queues.",
                                       value=sum(depths)))  # fmt: skip
-    # Reading the per-process files is file I/O: off the event loop.
+    # Creating series and reading the per-process files is file I/O: off the event loop.
     body = await anyio.to_thread.run_sync(
-        scrape, state.settings.multiproc_dir, PoolCollector(families)
+        _scrape, state.settings.multiproc_dir, workers, PoolCollector(families)
     )
     return Response(body, media_type=CONTENT_TYPE_LATEST)

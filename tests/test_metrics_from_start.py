@@ -1,0 +1,114 @@
+"""Every series the Grafana dashboard reads exists from the first scrape of a fresh pool (real
+Redis, real worker, real router processes), before any request: each label set at 0, per-worker
+series as soon as the worker is registered. A series that appears only with traffic shows "No
+data", and `rate()` over it misses its first increments."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+from prometheus_client.parser import text_string_to_metric_families
+
+from shared import keys
+from shared.metrics import ADMISSION_REASONS, ROUTING_OUTCOMES
+from shared.reject import REJECT_REASONS
+from tests.pool_fixture import running_pool
+
+REPO = Path(__file__).resolve().parent.parent
+DASHBOARD = REPO / "docs" / "grafana-dashboard.json"
+PLACEMENT = REPO / "router" / "placement.lua"
+
+# PromQL string literals (a label value may spell a metric-like name: it is not one).
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')
+_NAME_MATCHER = re.compile(r'__name__\s*=~?\s*"(mlxcel_[A-Za-z0-9_:]*)"')
+_NAME = re.compile(r"(?<![A-Za-z0-9_:])mlxcel_[A-Za-z0-9_:]*")
+
+
+def queried_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression selects: identifiers starting with `mlxcel_` outside
+    string literals, and `{__name__="mlxcel_..."}` matchers."""
+    return set(_NAME_MATCHER.findall(expr)) | set(_NAME.findall(_STRING.sub('""', expr)))
+
+
+def exprs(node: Any) -> Iterator[str]:
+    """Every `expr` in the dashboard JSON, however deep (rows nest panels)."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "expr" and isinstance(value, str):
+                yield value
+            else:
+                yield from exprs(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from exprs(item)
+
+
+def test_queried_names_parses_promql() -> None:
+    expr = (
+        'sum by (le) (rate(mlxcel_a_bucket{job="mlxcel_pool"}[5m])) / foo_mlxcel_b '
+        '+ on(worker) mlxcel_c:ratio + {__name__="mlxcel_d_total"} - max(mlxcel_e)'
+    )
+    assert queried_names(expr) == {"mlxcel_a_bucket", "mlxcel_c:ratio", "mlxcel_d_total",
+                                   "mlxcel_e"}  # fmt: skip
+
+
+def _placement_words(pattern: str) -> set[str]:
+    code = "\n".join(line.split("--", 1)[0] for line in PLACEMENT.read_text().splitlines())
+    return set(re.findall(pattern, code))
+
+
+def test_every_dashboard_series_exists_at_zero_before_any_request(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    queried = set().union(*map(queried_names, exprs(json.loads(DASHBOARD.read_text()))))
+    assert {"mlxcel_routing_predicted_tokens_total", "mlxcel_request_ttft_ms_bucket"} <= queried
+
+    with running_pool(tiny_model_dir, tmp_path) as pool:
+        text = httpx.get(f"{pool.url}/metrics", timeout=10).text  # the first request of all
+        roster = {m.decode() for m in redis.Redis.from_url(pool.redis_url).smembers(
+            keys.workers_roster())}  # fmt: skip
+    assert roster == {"w1"}
+
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    samples = {s.name for f in families.values() for s in f.samples}
+    assert sorted(queried - samples) == []
+    # A histogram is there whole: buckets, sum and count.
+    for fam in families.values():
+        if fam.type == "histogram" and any(n.startswith(fam.name + "_") for n in queried):
+            assert {fam.name + s for s in ("_bucket", "_sum", "_count")} <= samples, fam.name
+
+    def labelled(sample: str, label: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for fam in families.values():
+            for s in fam.samples:
+                if s.name == sample:
+                    out[s.labels[label]] = out.get(s.labels[label], 0.0) + s.value
+        return out
+
+    # Each label set the dashboard sums by, at 0: reject reasons, routing outcomes (as
+    # placement.lua names them), admission refusal reasons (as it returns them), evictions.
+    outcomes = _placement_words(r"outcome(?:, cost)? = [^\n]*?'(\w+)'")
+    refusals = _placement_words(r"return \{0, '(\w+)'")
+    assert outcomes == set(ROUTING_OUTCOMES) and refusals == set(ADMISSION_REASONS)
+    expected = {
+        ("mlxcel_prompt_cache_reject_total", "reason"): {r.value for r in REJECT_REASONS},
+        ("mlxcel_routing_decisions_total", "outcome"): outcomes,
+        ("mlxcel_admission_refused_total", "reason"): refusals,
+        ("mlxcel_prompt_cache_evictions_total", "reason"): {"lru", "ttl"},
+        ("mlxcel_routing_predicted_tokens_total", "worker"): roster,
+        ("mlxcel_routing_reused_tokens_total", "worker"): roster,
+    }
+    assert len(expected[("mlxcel_prompt_cache_reject_total", "reason")]) == 7
+    for (sample, label), values in expected.items():
+        assert labelled(sample, label) == dict.fromkeys(values, 0.0), sample
+    for hist in ("mlxcel_request_ttft_ms", "mlxcel_request_decode_tok_s"):
+        (count,) = [s.value for s in families[hist].samples if s.name == f"{hist}_count"]
+        assert count == 0.0, hist
+    (alive,) = [s.value for s in families["mlxcel_workers_alive"].samples]
+    assert alive == 1.0
