@@ -58,7 +58,8 @@ local live = {}
 for _, wid in ipairs(redis.call('SMEMBERS', KEYS[3])) do
   local info = key(ARGV[8], wid)
   if redis.call('PTTL', info) > min_pttl then
-    local f = redis.call('HMGET', info, 'model', 'epoch', 'storage_mode', 'paged_block_size')
+    local f = redis.call('HMGET', info, 'model', 'epoch', 'storage_mode', 'paged_block_size',
+                         'checkpoint_tokens')
     if f[1] == model then
       local load, prefill = key(ARGV[11], wid), key(ARGV[12], wid)
       purge(load, prefill)
@@ -67,8 +68,13 @@ for _, wid in ipairs(redis.call('SMEMBERS', KEYS[3])) do
       -- A paged cache adopts whole pages: what it can reuse is floored to its page size.
       local unit = 1
       if f[3] == 'paged' then unit = tonumber(f[4]) or 1 end
+      -- A snapshot cache resumes only where it kept a checkpoint: its index holds just those
+      -- blocks (the last of each checkpoint), and it keeps one every `every` blocks.
+      local every = 0
+      if f[3] == 'snapshot' then every = math.floor((tonumber(f[5]) or 0) / block_size) end
       live[#live + 1] = {wid = wid, epoch = f[2] or '', running = redis.call('ZCARD', load),
-                         queued = queued, cached = 0, unit = math.max(unit, 1)}
+                         queued = queued, cached = 0, unit = math.max(unit, 1),
+                         snapshot = f[3] == 'snapshot', every = every}
     end
   end
 end
@@ -99,8 +105,30 @@ if #live > 0 and #open == 0 then return {0, 'inflight', mine, per_worker * #live
 -- hold no block of a given prompt: the first block alone rules them out (two O(1) calls), so a
 -- decision's cost grows with the workers that match, not with every live one. Routed marks are
 -- read only past the held prefix (a small sorted set is a listpack Redis scans per member).
+-- A snapshot worker: the deepest of the prompt's blocks it holds or was sent, short of the
+-- prompt's last token (a snapshot is restored only whole, and one token is left to compute).
+local function resumable_tokens(w)
+  local last = math.min(#members, math.floor((prompt - 1) / block_size))
+  if last < 1 then return 0 end
+  local blocks, routed = key(ARGV[9], w.wid, w.epoch), key(ARGV[10], w.wid)
+  local held = redis.call('SMISMEMBER', blocks, unpack(members, 1, last))
+  local marks = {}
+  if redis.call('EXISTS', routed) == 1 then
+    marks = redis.call('ZMSCORE', routed, unpack(members, 1, last))
+  end
+  for k = last, 1, -1 do
+    if held[k] == 1 or (marks[k] and tonumber(marks[k]) > now) then
+      local tokens = k * block_size
+      if tokens < min_match then return 0 end
+      return tokens
+    end
+  end
+  return 0
+end
+
 local function cached_tokens(w)
   if #members == 0 then return 0 end
+  if w.snapshot then return resumable_tokens(w) end
   local blocks, routed = key(ARGV[9], w.wid, w.epoch), key(ARGV[10], w.wid)
   local first_mark = redis.call('ZSCORE', routed, members[1])
   local first_routed = first_mark and tonumber(first_mark) > now
@@ -178,10 +206,16 @@ if #members > 0 and policy == 'cache_aware' then
   routed_score = now + routed_ttl
   local routed = key(ARGV[10], chosen.wid)
   redis.call('ZREMRANGEBYSCORE', routed, '-inf', now)
-  local scored = {}
-  for _, m in ipairs(members) do
-    scored[#scored + 1] = routed_score
-    scored[#scored + 1] = m
+  -- A snapshot worker will hold only the blocks where this prompt's prefill keeps checkpoints
+  -- (worker/prompt_cache/checkpoints.py): each `every`-th, and the last before its last token.
+  local scored, last = {}, math.floor((prompt - 1) / block_size)
+  for i, m in ipairs(members) do
+    local kept = not chosen.snapshot
+      or (chosen.every > 0 and i * block_size >= min_match and (i % chosen.every == 0 or i == last))
+    if kept then
+      scored[#scored + 1] = routed_score
+      scored[#scored + 1] = m
+    end
   end
   for i = 1, #scored, 2000 do
     redis.call('ZADD', routed, unpack(scored, i, math.min(i + 1999, #scored)))

@@ -36,6 +36,14 @@ COUNTERS: dict[str, tuple[str, str, tuple[str, str] | None]] = {
                                ("reason", "lru")),
     "snapshot_evictions_ttl": ("mlxcel_prompt_cache_snapshot_evictions", "Snapshot evictions.",
                                ("reason", "ttl")),
+    "checkpoint_lookups": ("mlxcel_prompt_cache_checkpoint_lookups",
+                           "Snapshot-mode lookups (each may resume at a checkpoint).", None),
+    "checkpoint_hits": ("mlxcel_prompt_cache_checkpoint_hits",
+                        "Lookups that resumed at a prefill checkpoint.", None),
+    "checkpoint_tokens_reused": ("mlxcel_prompt_cache_checkpoint_tokens_reused",
+                                 "Prompt tokens restored from prefill checkpoints.", None),
+    "checkpoint_inserts": ("mlxcel_prompt_cache_checkpoint_inserts",
+                           "Prefill checkpoints kept.", None),
     "requests": ("mlxcel_requests", "Generation requests finished by workers.", None),
     "prompt_tokens": ("mlxcel_prompt_tokens", "Prompt tokens processed.", None),
     "completion_tokens": ("mlxcel_completion_tokens", "Completion tokens generated.", None),
@@ -53,6 +61,10 @@ GAUGES: dict[str, tuple[str, str]] = {
     "bytes": ("mlxcel_prompt_cache_bytes", "Bytes the prompt caches of live workers hold."),
     "entries": ("mlxcel_prompt_cache_entries", "Entries in the prompt caches of live workers."),
     "batch_current_size": ("mlxcel_batch_current_size", "Sequences decoding now, pool-wide."),
+    "checkpoint_bytes": ("mlxcel_prompt_cache_checkpoint_bytes",
+                         "Bytes of prefill checkpoints in live workers' snapshot shelves."),
+    "checkpoint_entries": ("mlxcel_prompt_cache_checkpoint_entries",
+                           "Prefill checkpoints in live workers' snapshot shelves."),
 }
 WORKERS_ALIVE = "mlxcel_workers_alive"
 # Every family name this module exposes (the Grafana dashboard test reads it).

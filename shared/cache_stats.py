@@ -33,6 +33,10 @@ COUNTER_FIELDS: tuple[str, ...] = (
     "prefix_tokens_reused",
     "snapshot_misses",
     "snapshot_tokens_reused",
+    "checkpoint_lookups",
+    "checkpoint_hits",
+    "checkpoint_tokens_reused",
+    "checkpoint_inserts",
     "requests",
     "prompt_tokens",
     "completion_tokens",
@@ -60,6 +64,8 @@ GAUGE_FIELDS: tuple[str, ...] = (
     "paged_bytes_reserved",
     "paged_bytes_in_use",
     "paged_block_budget",
+    "checkpoint_entries",
+    "checkpoint_bytes",
     "batch_current_size",
 )
 
@@ -72,6 +78,7 @@ SETTING_FIELDS: tuple[str, ...] = (
     "paged_block_size",
     "storage_mode",
     "cacheability",
+    "checkpoint_tokens",
 )
 
 LAST_REJECT_FIELDS: tuple[str, ...] = ("reason", "seq_id", "context_len", "at_unix_ms")
@@ -81,7 +88,7 @@ LAST_REJECT_HASH_FIELDS: tuple[str, ...] = tuple(f"last_reject_{f}" for f in LAS
 # The worker's identity in its info hash, beside its gauges and settings.
 INFO_FIELDS: tuple[str, ...] = (
     "worker_id", "model", "pid", "host", "started_at", "rq_name", "batch_size",
-    "storage_modes", "last_seen", "epoch", "model_dir",
+    "storage_modes", "last_seen", "epoch", "model_dir", "batch_invariant", "batch_limit",
 )  # fmt: skip
 
 # The spec's field order for `/v1/cache/stats`.
@@ -170,13 +177,16 @@ class WorkerCacheSnapshot:
 _OUT_FIELDS: tuple[str, ...] = (
     *SPEC_FIELDS,
     "misses", "prefix_tokens_reused", "snapshot_misses", "snapshot_tokens_reused",
+    "checkpoint_lookups", "checkpoint_hits", "checkpoint_hit_rate", "checkpoint_tokens_reused",
+    "checkpoint_inserts", "checkpoint_entries", "checkpoint_bytes", "checkpoint_tokens",
     "storage_mode", "cacheability",
 )  # fmt: skip
 # Fields computed from the settings, the counters and the last reject, in _derived's order.
 _DERIVED_FIELDS: tuple[str, ...] = (
     "enabled", "apc_enabled", "block_size", "hash", "paged_block_size", "storage_mode",
-    "cacheability", "hit_rate", "snapshot_hit_rate", "last_reject_reason", "last_reject_seq_id",
-    "last_reject_context_len", "last_reject_at_unix_ms",
+    "cacheability", "checkpoint_tokens", "hit_rate", "snapshot_hit_rate", "checkpoint_hit_rate",
+    "last_reject_reason", "last_reject_seq_id", "last_reject_context_len",
+    "last_reject_at_unix_ms",
 )  # fmt: skip
 _SOURCE_FIELDS = NUMBER_FIELDS + _DERIVED_FIELDS
 # One C call puts (numbers + derived) into the output order; dict(zip()) names them.
@@ -184,6 +194,8 @@ _pick_out = operator.itemgetter(*(_SOURCE_FIELDS.index(f) for f in _OUT_FIELDS))
 _HITS, _LOOKUPS = COUNTER_FIELDS.index("hits"), COUNTER_FIELDS.index("lookups")
 _S_HITS = COUNTER_FIELDS.index("snapshot_hits")
 _S_LOOKUPS = COUNTER_FIELDS.index("snapshot_lookups")
+_C_HITS = COUNTER_FIELDS.index("checkpoint_hits")
+_C_LOOKUPS = COUNTER_FIELDS.index("checkpoint_lookups")
 _NO_REJECT: dict[str, Any] = {}
 
 
@@ -200,8 +212,10 @@ def _stats_shape(
         _int(get("paged_block_size")),
         get("storage_mode") or "",
         get("cacheability") or "",
+        _int(get("checkpoint_tokens")),
         _rate(numbers[_HITS], numbers[_LOOKUPS]),
         _rate(numbers[_S_HITS], numbers[_S_LOOKUPS]),
+        _rate(numbers[_C_HITS], numbers[_C_LOOKUPS]),
         lr.get("reason"),
         lr.get("seq_id"),
         lr.get("context_len"),
@@ -222,6 +236,9 @@ def _identity(info: dict[str, str]) -> dict[str, Any]:
         "host": info.get("host"),
         "pid": int(float(info["pid"])) if _is_number(info.get("pid")) else None,
         "last_seen": float(info["last_seen"]) if _is_number(info.get("last_seen")) else None,
+        # The load-time batch-invariance check's verdict and the batch size served at.
+        "batch_invariant": info.get("batch_invariant"),
+        "batch_limit": int(info["batch_limit"]) if _is_number(info.get("batch_limit")) else None,
     }
 
 

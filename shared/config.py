@@ -19,6 +19,7 @@ from pydantic import (
     ValidationError,
     field_serializer,
     field_validator,
+    model_validator,
 )
 
 from shared.redis_auth import masked_url
@@ -140,7 +141,20 @@ class PromptCacheConfig(_Section):
     snapshot_capacity_bytes: int = Field(512 * 1024**2, ge=0)
     snapshot_max_entries: int = Field(4096, ge=0)
     snapshot_ttl_s: float = Field(7200, gt=0)
+    # Snapshot-mode models keep a checkpoint of their state every this many prompt tokens while
+    # prefilling (and at the prompt's last block boundary); 0: whole-sequence snapshots only.
+    checkpoint_tokens: int = Field(256, ge=0)
     trace: bool = False
+
+    @model_validator(mode="after")
+    def _checkpoints_on_blocks(self) -> PromptCacheConfig:
+        # A checkpoint is published to the routing index as the hash of the block it ends.
+        if self.checkpoint_tokens % self.apc_block_size:
+            raise ValueError(
+                f"checkpoint_tokens ({self.checkpoint_tokens}) must be a multiple of "
+                f"apc_block_size ({self.apc_block_size})"
+            )
+        return self
 
 
 class MetricsConfig(_Section):
@@ -245,6 +259,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "MLXCEL_PAGED_BLOCK_BUDGET": ("prompt_cache", "paged_block_budget"),
     "MLXCEL_PROMPT_CACHE_SNAPSHOT_CAPACITY_BYTES": ("prompt_cache", "snapshot_capacity_bytes"),
     "MLXCEL_PROMPT_CACHE_SNAPSHOT_MAX_ENTRIES": ("prompt_cache", "snapshot_max_entries"),
+    "MLXCEL_PROMPT_CACHE_CHECKPOINT_TOKENS": ("prompt_cache", "checkpoint_tokens"),
     "MLXCEL_PROMPT_CACHE_SNAPSHOT_TTL": ("prompt_cache", "snapshot_ttl_s"),
     "PROMETHEUS_MULTIPROC_DIR": ("metrics", "multiproc_dir"),
     "MLXCEL_RESTART_LIMIT": ("supervisor", "restart_limit"),

@@ -228,6 +228,51 @@ def test_a_paged_workers_match_is_floored_to_its_pages(redis_url: str) -> None:
     assert (placed.outcome, placed.predicted_tokens) == ("cache", 32)  # it adopts one page
 
 
+LONG_SHARED = [(7 + i * 13) % 900 + 5 for i in range(300)]  # ~a shared system prompt
+
+
+def _snapshot_worker(r: redis.Redis, wid: str, checkpoints: list[list[int]]) -> None:
+    """A snapshot-mode worker as it publishes itself: only the last block of each checkpoint
+    it holds is in its index (worker/prompt_cache/entries.py resume_points)."""
+    _worker(r, wid)
+    r.hset(keys.worker_info(wid), mapping={"storage_mode": "snapshot", "checkpoint_tokens": "256"})
+    for tokens in checkpoints:
+        r.sadd(keys.worker_blocks(wid, "e1"), _members(tokens)[-1])
+
+
+def test_a_snapshot_workers_match_is_its_deepest_checkpoint_inside_the_prompt(
+    redis_url: str,
+) -> None:
+    r = redis.Redis.from_url(redis_url)
+    first = LONG_SHARED + [1] * 24
+    _snapshot_worker(r, "w1", [first[:256], first[:320]])
+    _worker(r, "w2")
+    ledger = _ledger(redis_url)
+    # Diverges at 300: the checkpoint at 320 is not inside what it shares, the one at 256 is.
+    placed = _place(ledger, "a", LONG_SHARED + [2] * 24)
+    assert (placed.worker_id, placed.outcome, placed.predicted_tokens) == ("w1", "cache", 256)
+    # An identical prompt resumes at its last checkpoint, short of its last token.
+    again = _place(ledger, "b", first)
+    assert (again.worker_id, again.predicted_tokens) == ("w1", 320)
+    # A prompt that is exactly a checkpoint long cannot restore it (one token must be left).
+    exact = _place(ledger, "c", first[:320])
+    assert (exact.worker_id, exact.predicted_tokens) == ("w1", 256)
+
+
+def test_a_prompt_sent_to_a_snapshot_worker_marks_only_its_checkpoints(redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    _snapshot_worker(r, "w1", [])
+    ledger = _ledger(redis_url)
+    placed = _place(ledger, "a", LONG_SHARED + [1] * 24)  # 324 tokens: checkpoints 256 and 320
+    assert placed.worker_id == "w1" and placed.predicted_tokens == 0
+    prompt = LONG_SHARED + [1] * 24
+    members = _members(prompt)
+    routed = {m for m, _ in r.zrange(keys.worker_routed("w1"), 0, -1, withscores=True)}
+    assert routed == {members[15], members[19]}
+    second = _place(ledger, "b", LONG_SHARED + [2] * 24)
+    assert (second.worker_id, second.outcome, second.predicted_tokens) == ("w1", "cache", 256)
+
+
 def test_the_choices_of_one_prompt_are_placed_together_or_refused_together(
     redis_url: str,
 ) -> None:

@@ -40,6 +40,7 @@ from worker.engine.shared_prompt import Holds, can_share, group_mate, prompt_kv_
 from worker.engine.text_stream import TextStream
 from worker.mlx_cpu.idle_memory import release_idle_memory
 from worker.mlx_cpu.last_logits import last_logits
+from worker.prompt_cache.checkpoints import split_at
 from worker.prompt_cache.keys import CacheNamespace
 from worker.prompt_cache.policy import AdoptResult, PromptCache
 
@@ -246,12 +247,14 @@ class Engine:
         if adopted is not None:
             req.cached_tokens, req.lease = adopted.cached_tokens, adopted.lease
         self._begin(req, out)
-        if adopted is not None and len(prompt) - req.cached_tokens <= FAST_START_MAX_TOKENS:
+        cached = req.cached_tokens
+        # Checkpoints are kept at the prefill's segment ends; a fast start has none.
+        marks = self.prompt_cache.checkpoint_marks(cached, len(prompt)) if self.prompt_cache else []
+        if adopted is not None and not marks and len(prompt) - cached <= FAST_START_MAX_TOKENS:
             self._fast_start(req, adopted.caches, out)
             return
-        cached = req.cached_tokens
         caches = adopted.caches if adopted is not None else None
-        self._insert(req, prompt[cached:], req.spec.max_tokens, caches, prompt[:cached])
+        self._insert(req, prompt[cached:], req.spec.max_tokens, caches, prompt[:cached], marks)
         out.prefill_pending = True
 
     def _start_scored(self, req: Request, out: StepResult) -> None:
@@ -327,6 +330,27 @@ class Engine:
                 except Exception as exc:  # its own failure: the others start regardless
                     self._start_failed(waiter, exc, out)
 
+    def _keep_checkpoints(self, progress: list[Any]) -> None:
+        """Sequences whose prefill stopped at a segment end (only snapshot mode cuts prompts
+        into segments: each end is a checkpoint) give the prompt cache a copy of their state
+        there. A copy that fails costs that checkpoint only."""
+        ends = [
+            p.uid
+            for p in progress
+            if p.end_of_segment and not p.end_of_prompt and p.uid in self._running
+        ]
+        if not ends or self.prompt_cache is None:
+            return
+        try:
+            with mx.stream(self.gen.stream):
+                for uid, (caches, tokens) in self.gen.extract_cache(ends).items():
+                    req = self._running[uid]
+                    self.prompt_cache.keep_checkpoint(
+                        req.namespace, req.spec.session_key, req.seq_id, list(tokens), caches
+                    )
+        except Exception:
+            log.warning("could not keep a prefill checkpoint", exc_info=True)
+
     def _resume_held(self, gone: Request, out: StepResult) -> None:
         """`gone` left before its prefill was done: the requests that waited on it start again
         (the first computes the prompt, the others wait on it in turn). None is lost."""
@@ -343,10 +367,13 @@ class Engine:
         max_tokens: int,
         caches: list[Any] | None,
         cached_tokens: list[int],
+        marks: list[int] | None = None,
     ) -> None:
-        """Hand the sequence to BatchGenerator; `caches` hold KV for exactly `cached_tokens`."""
-        (uid,) = self.gen.insert(
-            [tokens],
+        """Hand the sequence to BatchGenerator; `caches` hold KV for exactly `cached_tokens`.
+        Its prefill stops at each of the absolute positions `marks` (a checkpoint each)."""
+        segments = split_at(tokens, len(cached_tokens), marks or [])
+        (uid,) = self.gen.insert_segments(
+            [segments],
             max_tokens=[max_tokens],
             caches=[caches] if caches is not None else None,
             all_tokens=[list(cached_tokens)] if caches is not None else None,
@@ -418,6 +445,7 @@ class Engine:
         self.counters.batch_decode_tokens += stats.generation_tokens
         self.counters.batch_decode_steps += stats.generation_steps
         self._prompt_computed(progress, out)
+        self._keep_checkpoints(progress)
         cut: list[Request] = []  # ended by a stop string while BatchGenerator still holds them
         entries = self._step_logprobs(responses, out)
         for r in responses:

@@ -34,6 +34,10 @@ class CacheCounters:
     snapshot_evictions_lru: int = 0
     snapshot_evictions_ttl: int = 0
     snapshot_rejections_oversized: int = 0
+    checkpoint_lookups: int = 0
+    checkpoint_hits: int = 0
+    checkpoint_tokens_reused: int = 0
+    checkpoint_inserts: int = 0
     reject_oversized: int = 0
     reject_disabled: int = 0
     reject_prefix_too_short: int = 0

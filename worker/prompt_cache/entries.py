@@ -8,7 +8,7 @@ mlx-lm's BatchGenerator may consume and mutate. A new storage kind is a new clas
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import mlx.core as mx
@@ -24,6 +24,7 @@ class StoredKV(Protocol):
     mode: str
     tokens: tuple[int, ...]
     whole_only: bool
+    checkpoint: bool  # kept mid-prefill (a snapshot of the prompt so far), not at a finish
 
     @property
     def nbytes(self) -> int: ...
@@ -38,6 +39,17 @@ class StoredKV(Protocol):
     def materialise(self, n_tokens: int) -> list[Any]: ...
 
     def release(self) -> None: ...
+
+
+def resume_points(entry: StoredKV, chain: list[bytes], block_size: int) -> list[bytes]:
+    """The block hashes (of `chain`, the entry's own) a prompt may resume this entry at: every
+    block of one that can be cut back; only its end, when that is a block boundary, of one
+    restored only whole. What the routing index learns is exactly what a hit can use."""
+    if not entry.whole_only:
+        return chain
+    if entry.num_tokens % block_size or len(chain) * block_size != entry.num_tokens:
+        return []
+    return chain[-1:]
 
 
 def kv_length(layer_caches: list[Any]) -> int:
@@ -56,6 +68,7 @@ class DenseEntry:
     tokens: tuple[int, ...]
     layers: list[Any]
     whole_only: bool = False
+    checkpoint: bool = False
     mode: str = DENSE
     _nbytes: int = 0
 
@@ -111,6 +124,7 @@ class PagedEntry:
     clone: Callable[[list[int]], list[Any]]
     free: Callable[[list[int]], None]
     whole_only: bool = False
+    checkpoint: bool = False
     mode: str = PAGED
 
     @property
@@ -144,20 +158,30 @@ def _copy_leaf(x: Any) -> Any:
 
 @dataclass(eq=False)
 class SnapshotEntry:
-    """A full copy of cache state that cannot be cut back (rotating KV, recurrent/SSM state)."""
+    """A full copy of cache state that cannot be cut back (rotating KV, recurrent/SSM state):
+    of a finished sequence, or a checkpoint of a prompt while it was prefilled."""
 
     tokens: tuple[int, ...]
     classes: list[type]
     states: list[Any]
     whole_only: bool = True
+    checkpoint: bool = False
     mode: str = SNAPSHOT
     _nbytes: int = 0
-    meta: list[Any] = field(default_factory=list)
 
     @classmethod
-    def capture(cls, tokens: list[int], layer_caches: list[Any]) -> SnapshotEntry:
+    def capture(
+        cls, tokens: list[int], layer_caches: list[Any], checkpoint: bool = False
+    ) -> SnapshotEntry:
         states = [tree_map(_copy_leaf, c.state) for c in layer_caches]
-        entry = cls(tokens=tuple(tokens), classes=[type(c) for c in layer_caches], states=states)
+        # Computed now: the copies must not keep the running batch's graph (or buffers) alive.
+        mx.eval(states)
+        entry = cls(
+            tokens=tuple(tokens),
+            classes=[type(c) for c in layer_caches],
+            states=states,
+            checkpoint=checkpoint,
+        )
         entry._nbytes = sum(int(c.nbytes) for c in layer_caches)
         return entry
 

@@ -8,6 +8,7 @@ from worker.prompt_cache.store import PromptStore
 def gauges_of(store: PromptStore, *, storage_mode: str, cacheability: str) -> dict[str, int | str]:
     cfg = store.config
     total, unique, active = store.main.apc_stats()
+    checkpoints, checkpoint_bytes = store.snapshots.checkpoint_stats
     out: dict[str, int | str] = {
         "entries": len(store.main),
         "bytes": store.bytes,
@@ -20,6 +21,8 @@ def gauges_of(store: PromptStore, *, storage_mode: str, cacheability: str) -> di
         "snapshot_bytes": store.snapshots.entry_bytes,
         "snapshot_capacity_bytes": cfg.snapshot_capacity_bytes,
         "snapshot_max_entries": cfg.snapshot_max_entries,
+        "checkpoint_entries": checkpoints,
+        "checkpoint_bytes": checkpoint_bytes,
         **_paged(store),
         # settings
         "enabled": "1" if store.enabled else "0",
@@ -29,6 +32,7 @@ def gauges_of(store: PromptStore, *, storage_mode: str, cacheability: str) -> di
         "paged_block_size": store.pool.block_size if store.pool else 0,
         "storage_mode": storage_mode,
         "cacheability": cacheability,
+        "checkpoint_tokens": cfg.checkpoint_tokens if storage_mode == "snapshot" else 0,
     }
     return out
 

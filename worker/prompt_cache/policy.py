@@ -16,6 +16,7 @@ from typing import Any
 from shared.config import PromptCacheConfig
 from shared.reject import RejectReason
 from worker.prompt_cache.block_pool import CacheLease
+from worker.prompt_cache.checkpoints import checkpoint_positions
 from worker.prompt_cache.counters import CacheCounters
 from worker.prompt_cache.entries import (
     PAGED,
@@ -76,6 +77,8 @@ class PromptCache:
         self.cacheability = cacheability or _KIND_BY_MODE.get(storage_mode, "none")
         self._clock = clock
         self._min_adopt = max(config.min_prefix_tokens, 1)
+        # Snapshot mode keeps checkpoints while prompts prefill: every `checkpoint_tokens`.
+        self.checkpoint_every = config.checkpoint_tokens if storage_mode == SNAPSHOT else 0
         self.counters = CacheCounters()
         self._tracer = make_tracer(config.trace, worker_id)  # decided once, here
         self.store = PromptStore(
@@ -167,19 +170,72 @@ class PromptCache:
     def _adopt_snapshot(
         self, ns: CacheNamespace, session_key: str, prompt_tokens: list[int], seq_id: str
     ) -> AdoptResult | None:
-        """Restore a copy only when the whole snapshot is a proper prefix of the prompt."""
+        """Restore a copy of the deepest snapshot or checkpoint that is a whole, proper prefix
+        of the prompt. A prompt that shares at least the minimum prefix with some entry but
+        has none whole inside that share is `block_boundary_floor`: its match floored to the
+        points a snapshot can resume at (as a paged match floors to whole blocks) is empty."""
         c = self.counters
         c.snapshot_lookups += 1
+        if self.checkpoint_every:
+            c.checkpoint_lookups += 1
         match = self.store.lookup_snapshot(ns, session_key, prompt_tokens)
-        caches = self._restore(match, seq_id) if match else None
-        if match is None or caches is None:
+        if match is None:
+            c.snapshot_misses += 1
+            shared = self.store.snapshots.shared_prefix(ns, tuple(prompt_tokens[:-1]))
+            if shared >= self._min_adopt:
+                self.record_reject(RejectReason.BLOCK_BOUNDARY_FLOOR, None, shared)
+            return None
+        caches = self._restore(match, seq_id)
+        if caches is None:
             c.snapshot_misses += 1
             return None
         self.store.touch(match, snapshot=True)
         c.snapshot_hits += 1
         c.snapshot_tokens_reused += match.entry_len
+        if match.entry.checkpoint:
+            c.checkpoint_hits += 1
+            c.checkpoint_tokens_reused += match.entry_len
         self._tracer.adopt(seq_id, match.entry_len, len(prompt_tokens), True)
         return AdoptResult(caches, match.entry_len, True)
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def checkpoint_marks(self, start: int, prompt_len: int) -> list[int]:
+        """Where a prompt prefilled from `start` keeps checkpoints (prompt_cache.checkpoints)."""
+        if not self.checkpoint_every or not self.store.enabled:
+            return []
+        return checkpoint_positions(
+            start,
+            prompt_len,
+            every=self.checkpoint_every,
+            block=self.config.apc_block_size,
+            min_tokens=self._min_adopt,
+        )
+
+    def keep_checkpoint(
+        self,
+        ns: CacheNamespace,
+        session_key: str,
+        seq_id: str,
+        tokens: list[int],
+        layer_caches: list[Any],
+    ) -> None:
+        """A prompt's state at one of its checkpoints, copied into the snapshot shelf (within
+        its byte budget and LRU), unless an entry of exactly these tokens is there already."""
+        # Only block boundaries: BatchGenerator also ends a segment before a prompt's last
+        # token, and a checkpoint the routing index cannot name would make its guesses wrong.
+        if not self.store.enabled or len(tokens) % self.config.apc_block_size:
+            return
+        known = self.store.snapshots.find_exact(ns, tuple(tokens))
+        if known is not None:
+            self.store.snapshots.touch(known, self._clock())
+            return
+        if not layer_caches or any(_layer_empty(c) for c in layer_caches):
+            self.record_reject(RejectReason.EMPTY_SET, seq_id, len(tokens))
+            return
+        entry = SnapshotEntry.capture(tokens, layer_caches, checkpoint=True)
+        if self.store.insert_snapshot(ns, session_key, entry, seq_id=seq_id) is None:
+            self.counters.checkpoint_inserts += 1
+            self._tracer.store(seq_id, entry.num_tokens, True)
 
     def _restore(self, match: Match, seq_id: str) -> list[Any] | None:
         if match.entry.is_empty():

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from worker.prompt_cache.apc import BlockHasher, clamp_to_blocks
 from worker.prompt_cache.counters import CacheCounters
-from worker.prompt_cache.entries import StoredKV
+from worker.prompt_cache.entries import StoredKV, resume_points
 from worker.prompt_cache.index_log import BlockIndexLog
 from worker.prompt_cache.keys import CacheNamespace
 from worker.prompt_cache.trie import TokenTrie
@@ -83,6 +83,8 @@ class Shelf:
         self._tries: dict[CacheNamespace, TokenTrie] = {}
         self._hash_refs: dict[bytes, int] = {}
         self._bytes = 0
+        self._checkpoints = 0  # entries that are prefill checkpoints, and their bytes
+        self._checkpoint_bytes = 0
         self._next_id = 0
 
     # -- state -------------------------------------------------------------------------------
@@ -92,6 +94,11 @@ class Shelf:
     @property
     def entry_bytes(self) -> int:
         return self._bytes
+
+    @property
+    def checkpoint_stats(self) -> tuple[int, int]:
+        """(checkpoint entries, their bytes): part of the shelf's entries and bytes."""
+        return self._checkpoints, self._checkpoint_bytes
 
     def slots(self) -> list[Slot]:
         return list(self._slots.values())
@@ -104,7 +111,10 @@ class Shelf:
 
     # -- mutation ----------------------------------------------------------------------------
     def add(self, ns: CacheNamespace, session: str, entry: StoredKV, now: float) -> int:
-        hashes = self.hasher.chain(entry.tokens, ns.seed()) if self.hasher else []
+        hashes = []
+        if self.hasher is not None:
+            chain = self.hasher.chain(entry.tokens, ns.seed())
+            hashes = resume_points(entry, chain, self.hasher.block_size)
         entry_id = self._next_id
         self._next_id += 1
         self._slots[entry_id] = Slot(entry_id, ns, session, entry, now, hashes)
@@ -115,6 +125,9 @@ class Shelf:
             if n == 0 and self.index is not None:
                 self.index.add(h)
         self._bytes += entry.nbytes
+        if entry.checkpoint:
+            self._checkpoints += 1
+            self._checkpoint_bytes += entry.nbytes
         self.counters.record(self.names.inserts)
         return entry_id
 
@@ -136,6 +149,9 @@ class Shelf:
                 if self.index is not None:
                     self.index.remove(h)
         self._bytes -= slot.entry.nbytes
+        if slot.entry.checkpoint:
+            self._checkpoints -= 1
+            self._checkpoint_bytes -= slot.entry.nbytes
         return slot.entry
 
     def drop(self, entry_id: int) -> None:
@@ -195,6 +211,19 @@ class Shelf:
         if matched < max(self.limits.min_prefix_tokens, 1):
             return None
         return Match(slot.entry_id, slot.entry, matched, slot.entry.num_tokens)
+
+    def shared_prefix(self, ns: CacheNamespace, tokens: tuple[int, ...]) -> int:
+        """How many leading tokens of `tokens` some entry shares (whole or not)."""
+        trie = self._tries.get(ns)
+        return trie.longest_match(tokens).length if trie is not None else 0
+
+    def find_exact(self, ns: CacheNamespace, tokens: tuple[int, ...]) -> int | None:
+        """An entry whose tokens are exactly `tokens`, if any."""
+        trie = self._tries.get(ns)
+        if trie is None:
+            return None
+        found = trie.longest_whole_prefix(tokens, len(tokens))
+        return found.entry_ids[0] if found.entry_ids and found.length == len(tokens) else None
 
     def lookup_whole(
         self, ns: CacheNamespace, session: str, tokens: tuple[int, ...]

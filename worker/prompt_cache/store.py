@@ -77,7 +77,8 @@ class PromptStore:
         self.clock = clock
         self.record_reject = record_reject
         hasher = BlockHasher(config.apc_block_size, config.apc_hash) if config.apc_enabled else None
-        # The blocks routers may route by: the main shelf's (snapshots match whole prefixes only).
+        # The blocks routers may route by: what each entry can be resumed at (entries.py
+        # resume_points: any block of a main entry, the end of a snapshot or checkpoint).
         self.index = BlockIndexLog()
         self.main = Shelf(
             Limits(config.capacity_bytes, config.max_entries, config.ttl_s,
@@ -87,7 +88,7 @@ class PromptStore:
         self.snapshots = Shelf(
             Limits(config.snapshot_capacity_bytes, config.snapshot_max_entries,
                    config.snapshot_ttl_s, config.min_prefix_tokens),
-            SNAPSHOT_COUNTERS, counters, None,
+            SNAPSHOT_COUNTERS, counters, hasher, self.index,
         )  # fmt: skip
         self.pool: BlockPool | None = None
         if mode == PAGED:
