@@ -4,7 +4,7 @@ built by the project's own builder, real processes and HTTP for the pool tests."
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -157,6 +157,17 @@ class MlxReference:
 @pytest.fixture(scope="session")
 def mlx_reference(tiny_model_dir: Path) -> MlxReference:
     return MlxReference(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def zoo_model_dir(cache_dir: Path) -> Callable[[str], Path]:
+    """Factory: zoo_model_dir(name) -> the directory of `devmodel.zoo.ZOO[name]`, built once."""
+    from devmodel.zoo import ensure_zoo_model
+
+    def _dir(name: str) -> Path:
+        return ensure_zoo_model(cache_dir, name)
+
+    return _dir
 
 
 @pytest.fixture(scope="session")
