@@ -77,6 +77,9 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
     model_dir = _model_dir(settings)
     facts = model_facts(model_dir, settings.model.id)
     model, tokenizer = _load(model_dir, facts.model_id, worker_id)
+    from worker import model_fixes
+
+    model_fixes.install(model)  # mlx-lm classes that are wrong in a batch (Gemma 2's mask)
     if settings.worker.cpu_fast_ops:
         from worker.mlx_cpu import cpu_ops
 
