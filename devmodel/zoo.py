@@ -127,18 +127,24 @@ ZOO: dict[str, ZooSpec] = {
 }  # fmt: skip
 
 
-def zoo_dir(cache_dir: Path, name: str, seed: int = 0) -> Path:
-    """`<cache_dir>/zoo/mlxcel-zoo-<name>-s<seed>`: where `ensure_zoo_model` builds `name`."""
-    return Path(cache_dir) / "zoo" / f"mlxcel-zoo-{name}-s{seed}"
+Size = dict[str, Any]  # config fields that override a zoo spec's own (a bench-sized variant)
 
 
-def model_config(name: str, tokenizer_dir: Path) -> dict[str, Any]:
+def zoo_dir(cache_dir: Path, name: str, seed: int = 0, size: Size | None = None) -> Path:
+    """`<cache_dir>/zoo/mlxcel-zoo-<name>-s<seed>` (plus a tag of `size`, when given): where
+    `ensure_zoo_model` builds `name`."""
+    tag = f"-{hashlib.sha256(json.dumps(size, sort_keys=True).encode()).hexdigest()[:8]}"
+    return Path(cache_dir) / "zoo" / f"mlxcel-zoo-{name}-s{seed}{tag if size else ''}"
+
+
+def model_config(name: str, tokenizer_dir: Path, size: Size | None = None) -> dict[str, Any]:
     """config.json for zoo model `name` (before quantization) with `tokenizer_dir`'s ids."""
     spec = ZOO[name]
     tok_config = json.loads((Path(tokenizer_dir) / "config.json").read_text(encoding="utf-8"))
     return {
         "model_type": spec.model_type,
         **spec.config,
+        **(size or {}),
         "vocab_size": tok_config["vocab_size"],
         "bos_token_id": tok_config["bos_token_id"],
         "eos_token_id": tok_config["eos_token_id"],
@@ -185,12 +191,14 @@ def _fill(model: nn.Module, fills: tuple[tuple[str, float], ...]) -> None:
     model.update(tree_map_with_path(fill, model.parameters()))
 
 
-def build_model_into(out: Path, name: str, seed: int, tokenizer_dir: Path) -> dict[str, Any]:
+def build_model_into(
+    out: Path, name: str, seed: int, tokenizer_dir: Path, size: Size | None = None
+) -> dict[str, Any]:
     """Write zoo model `name` into the existing directory `out`; returns its config."""
     from mlx_lm.utils import quantize_model, save_config, save_model
 
     spec = ZOO[name]
-    config = model_config(name, tokenizer_dir)
+    config = model_config(name, tokenizer_dir, size)
     model_cls, args_cls = _model_classes(spec.model_type)
     mx.random.seed(seed)  # parameters are drawn in construction order from this seed
     model = model_cls(args_cls.from_dict(config))
@@ -214,14 +222,22 @@ def build_model_into(out: Path, name: str, seed: int, tokenizer_dir: Path) -> di
     return config
 
 
-def ensure_zoo_model(cache_dir: Path, name: str, seed: int = 0) -> Path:
+def ensure_zoo_model(
+    cache_dir: Path,
+    name: str,
+    seed: int = 0,
+    *,
+    size: Size | None = None,
+    tokenizer_dir: Path | None = None,
+) -> Path:
     """Return zoo model `name`'s directory under `cache_dir`, building it once across processes
-    (the tokenizer is the tiny model's, built first under the same `cache_dir` if need be)."""
+    (the tokenizer is the tiny model's, built first under the same `cache_dir` if need be, or
+    the one in `tokenizer_dir`; `size` overrides the spec's config, as benchmarks need)."""
     if name not in ZOO:
         raise ValueError(f"unknown zoo model {name!r}; choose from {sorted(ZOO)}")
-    tokenizer_dir = ensure_model(cache_dir, "tiny")
-    model_dir = zoo_dir(cache_dir, name, seed)
-    digest = _digest(name, seed, model_config(name, tokenizer_dir), tokenizer_dir)
+    tokenizer_dir = tokenizer_dir or ensure_model(cache_dir, "tiny")
+    model_dir = zoo_dir(cache_dir, name, seed, size)
+    digest = _digest(name, seed, model_config(name, tokenizer_dir, size), tokenizer_dir)
     if is_zoo_built(model_dir, digest):
         return model_dir
     model_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -232,7 +248,7 @@ def ensure_zoo_model(cache_dir: Path, name: str, seed: int = 0) -> Path:
                 tmp = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.tmp-", dir=model_dir.parent))
                 tmp.chmod(0o755)
                 try:
-                    build_model_into(tmp, name, seed, tokenizer_dir)
+                    build_model_into(tmp, name, seed, tokenizer_dir, size)
                     _swap_in(tmp, model_dir)
                 finally:
                     shutil.rmtree(tmp, ignore_errors=True)  # no-op after a successful rename
