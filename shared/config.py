@@ -17,6 +17,7 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_serializer,
     field_validator,
     model_validator,
@@ -117,6 +118,23 @@ class WorkerConfig(_Section):
     admission_window_ms: float = Field(30, ge=0, le=1000)
     # float32 on CPU: attention and SwiGLU without mlx's slow CPU exp (worker/mlx_cpu/cpu_ops.py).
     cpu_fast_ops: bool = True
+    # mlx-lm's KV cache quantization, named as mlx-lm names it; only the defaults (off) are valid.
+    kv_bits: int = Field(0, ge=0)
+    kv_group_size: int = Field(64, ge=1)
+    quantized_kv_start: int = Field(5000, ge=0)
+
+    @field_validator("kv_bits", "kv_group_size", "quantized_kv_start")
+    @classmethod
+    def _kv_unquantized(cls, v: int, info: ValidationInfo) -> int:
+        # Every sequence runs through BatchGenerator, which merges per-sequence caches into a
+        # batch: mlx-lm's QuantizedKVCache has no `merge`, so it cannot be batched.
+        default = cls.model_fields[info.field_name].default
+        if v != default:
+            raise ValueError(
+                f"KV cache quantization is not supported: mlx-lm's BatchGenerator cannot batch "
+                f"a quantized KV cache (QuantizedKVCache has no merge); leave it at {default}"
+            )
+        return v
 
     @field_validator("id")
     @classmethod
@@ -247,6 +265,9 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "MLXCEL_JOB_TIMEOUT_S": ("worker", "job_timeout_s"),
     "MLXCEL_ADMISSION_WINDOW_MS": ("worker", "admission_window_ms"),
     "MLXCEL_CPU_FAST_OPS": ("worker", "cpu_fast_ops"),
+    "MLXCEL_KV_BITS": ("worker", "kv_bits"),
+    "MLXCEL_KV_GROUP_SIZE": ("worker", "kv_group_size"),
+    "MLXCEL_QUANTIZED_KV_START": ("worker", "quantized_kv_start"),
     "MLXCEL_PROMPT_CACHE_ENABLED": ("prompt_cache", "enabled"),
     "MLXCEL_PROMPT_CACHE_CAPACITY_BYTES": ("prompt_cache", "capacity_bytes"),
     "MLXCEL_PROMPT_CACHE_MAX_ENTRIES": ("prompt_cache", "max_entries"),
