@@ -15,8 +15,18 @@ import pytest
 
 from devmodel.zoo import ZOO, ZOO_INFO_FILE, ensure_zoo_model
 from shared.model_facts import model_facts
-from tests.test_engine import Model, Run, alone, make_engine, reference, run_until_done, spec
+from tests.test_engine import (
+    Model,
+    Run,
+    alone,
+    make_engine,
+    reference,
+    run_until_done,
+    settings,
+    spec,
+)
 from worker import model_fixes
+from worker.main import _prompt_cache
 from worker.mlx_cpu import cpu_ops
 
 MAX_TOKENS = 8
@@ -115,6 +125,30 @@ def test_four_requests_batched_equal_mlx_lm(zoo: Zoo) -> None:
     run_until_done(engine, 4 * MAX_TOKENS + 8, run)
     for rid in PROMPTS:
         assert_as_mlx_lm(zoo, run, rid)
+
+
+SHARED = _prompt(300, 3)  # a shared system prompt, past a checkpoint (256) and paged pages
+AFTER_HIT = {"x": SHARED + _prompt(24, 900), "y": SHARED + _prompt(24, 50), "z": SHARED + [9] * 30}
+
+
+def test_a_shared_prefix_is_reused_and_decodes_as_mlx_lm(zoo: Zoo) -> None:
+    """Cold, then two prompts sharing its prefix batched together: both start from the cached
+    prefix (a paged or dense entry, or a snapshot model's prefill checkpoint) and decode
+    exactly what mlx-lm decodes cold."""
+    prompt_cache, reported = _prompt_cache(settings("auto"), zoo.model, zoo.model_id, "w-zoo")
+    assert prompt_cache is not None, reported
+    engine = make_engine(zoo, prompt_cache)
+    run = Run()
+    run.add(engine.admit(spec("x", AFTER_HIT["x"], max_tokens=MAX_TOKENS)))
+    run_until_done(engine, 4 * MAX_TOKENS + 16, run)
+    for rid in ("y", "z"):
+        run.add(engine.admit(spec(rid, AFTER_HIT[rid], max_tokens=MAX_TOKENS)))
+    run_until_done(engine, 4 * MAX_TOKENS + 16, run)
+    cached = {rid: run.events[rid][0].cached_tokens for rid in AFTER_HIT}
+    assert cached["x"] == 0 and cached["y"] > 0 and cached["z"] > 0, (reported, cached)
+    for rid, prompt in AFTER_HIT.items():
+        want, _ = zoo.answer(prompt)
+        assert run.tokens(rid) == want, f"{zoo.name} ({reported['storage_mode']}): {rid}"
 
 
 # -- the zoo itself ---------------------------------------------------------------------------
