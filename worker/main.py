@@ -13,7 +13,7 @@ from shared.block_hash import BlockHasher, canary
 from shared.canary_check import CanaryMismatch, check_against_routers
 from shared.config import Settings
 from shared.gc_freeze import freeze_startup_heap
-from shared.model_facts import configured_model_dir
+from shared.model_facts import ModelConfigError, configured_model_dir
 from shared.redis_auth import masked_url
 
 if TYPE_CHECKING:
@@ -28,9 +28,11 @@ def resolve_worker_id(settings: Settings) -> str:
 
 
 def run(settings: Settings) -> int:
+    from worker.model_dir import ModelDirError
+
     try:
         loop = build_worker(settings)
-    except CanaryMismatch as exc:
+    except (CanaryMismatch, ModelDirError, ModelConfigError) as exc:
         log.error("%s", exc)
         return 2
     if loop is None:
@@ -60,6 +62,7 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
     blas.preload_openblas()  # first: nothing may import mlx before OpenBLAS is loaded
     from shared.model_facts import model_facts
     from shared.redis_clients import sync_client
+    from worker import model_dir as model_dir_check
     from worker.broker.intake import RqIntake, own_queues
     from worker.broker.outbox import Outbox
     from worker.broker.peer_queues import PeerQueues
@@ -75,8 +78,11 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
         return None
     worker_id = resolve_worker_id(settings)
     model_dir = _model_dir(settings)
+    model_config = model_dir_check.check_before_load(model_dir)
     facts = model_facts(model_dir, settings.model.id)
-    model, tokenizer = _load(model_dir, facts.model_id, worker_id)
+    model, tokenizer = _load(model_dir, model_config, facts.model_id, worker_id)
+    vocab_size = facts.vocab_size or int(model.args.vocab_size)
+    model_dir_check.check_tokenizer(model_dir, tokenizer, vocab_size)
     from worker import model_fixes
 
     model_fixes.install(model)  # mlx-lm classes that are wrong in a batch (Gemma 2's mask)
@@ -150,11 +156,13 @@ def _model_dir(settings: Settings) -> Path:
     return model_dir
 
 
-def _load(model_dir: Path, model_id: str, worker_id: str) -> tuple[Any, Any]:
-    from mlx_lm import load
+def _load(
+    model_dir: Path, model_config: dict[str, Any], model_id: str, worker_id: str
+) -> tuple[Any, Any]:
+    from worker.model_dir import load
 
     t0 = time.perf_counter()
-    model, tokenizer = load(str(model_dir))
+    model, tokenizer = load(model_dir, model_config)
     log.info("worker %s loaded model %s from %s in %.1fs", worker_id, model_id, model_dir,
              time.perf_counter() - t0)  # fmt: skip
     return model, tokenizer
