@@ -118,6 +118,9 @@ class WorkerConfig(_Section):
     admission_window_ms: float = Field(30, ge=0, le=1000)
     # float32 on CPU: attention and SwiGLU without mlx's slow CPU exp (worker/mlx_cpu/cpu_ops.py).
     cpu_fast_ops: bool = True
+    # At load, batched greedy tokens are compared with solo ones; the largest batch size that
+    # matches caps batch_size (worker/engine/batch_invariance.py). False: batch_size as set.
+    batch_invariance_check: bool = True
     # mlx-lm's KV cache quantization, named as mlx-lm names it; only the defaults (off) are valid.
     kv_bits: int = Field(0, ge=0)
     kv_group_size: int = Field(64, ge=1)
@@ -265,6 +268,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "MLXCEL_JOB_TIMEOUT_S": ("worker", "job_timeout_s"),
     "MLXCEL_ADMISSION_WINDOW_MS": ("worker", "admission_window_ms"),
     "MLXCEL_CPU_FAST_OPS": ("worker", "cpu_fast_ops"),
+    "MLXCEL_BATCH_INVARIANCE_CHECK": ("worker", "batch_invariance_check"),
     "MLXCEL_KV_BITS": ("worker", "kv_bits"),
     "MLXCEL_KV_GROUP_SIZE": ("worker", "kv_group_size"),
     "MLXCEL_QUANTIZED_KV_START": ("worker", "quantized_kv_start"),

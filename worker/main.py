@@ -17,6 +17,7 @@ from shared.model_facts import ModelConfigError, configured_model_dir
 from shared.redis_auth import masked_url
 
 if TYPE_CHECKING:
+    from worker.engine.batch_invariance import BatchInvariance
     from worker.loop import WorkerLoop
     from worker.prompt_cache.policy import PromptCache
 
@@ -90,6 +91,9 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
         from worker.mlx_cpu import cpu_ops
 
         cpu_ops.install(model)
+    batching = _batch_invariance(settings, model, vocab_size, worker_id)
+    configured_batch = settings.worker.batch_size
+    settings = _served_at(settings, batching)
     prompt_cache, settings_gauges = _prompt_cache(settings, model, facts.model_id, worker_id)
     # A Sentinel failover reaches the loop as a lost connection: it drops what runs (the new
     # primary may lack their last writes) and registers again, as after a restart.
@@ -99,7 +103,8 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
     info = {
         "worker_id": worker_id, "model": facts.model_id, "pid": str(os.getpid()),
         "host": socket.gethostname(), "started_at": f"{time.time():.3f}",
-        "batch_size": str(settings.worker.batch_size),
+        "batch_size": str(configured_batch),
+        "batch_invariant": batching.flag, "batch_limit": str(settings.worker.batch_size),
         "storage_modes": settings_gauges.pop("storage_modes"),
         "canary": my_canary,
         "model_dir": str(model_dir.resolve()),
@@ -125,18 +130,25 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
         reaper=Reaper(presence, intake),
         static_gauges=settings_gauges,
         admission_window_s=settings.worker.admission_window_ms / 1000,
-        banner=_banner(facts.model_id, blas_info, settings_gauges, settings),
+        banner=_banner(facts.model_id, blas_info, settings_gauges, settings, batching),
         peers=PeerQueues(conn, worker_id, facts.model_id, settings.routing.steal_after_ms / 1000),
     )
 
 
-def _banner(model_id: str, blas_info: Any, gauges: dict[str, Any], settings: Settings) -> str:
-    """One line saying what this worker runs: model, BLAS and its speed, cache mode, Redis."""
+def _banner(
+    model_id: str,
+    blas_info: Any,
+    gauges: dict[str, Any],
+    settings: Settings,
+    batching: BatchInvariance,
+) -> str:
+    """One line saying what this worker runs: model, BLAS and its speed, cache mode, the batch
+    size it serves at and whether batching was found to change tokens, Redis."""
     gflops = f" {blas_info.gflops:.0f} GFLOPS" if getattr(blas_info, "gflops", None) else ""
     cache = gauges.get("storage_mode") or "off"
     return (f"model {model_id}, BLAS {blas_info.backend}{gflops}, prompt cache {cache} "
-            f"({gauges.get('cacheability') or '-'}), batch {settings.worker.batch_size}, "
-            f"redis {masked_url(settings.redis.url)}")  # fmt: skip
+            f"({gauges.get('cacheability') or '-'}), batch {settings.worker.batch_size} "
+            f"({batching.summary}), redis {masked_url(settings.redis.url)}")  # fmt: skip
 
 
 def routing_canary(tokenizer: Any, model_id: str, settings: Settings) -> str:
@@ -166,6 +178,32 @@ def _load(
     log.info("worker %s loaded model %s from %s in %.1fs", worker_id, model_id, model_dir,
              time.perf_counter() - t0)  # fmt: skip
     return model, tokenizer
+
+
+def _batch_invariance(
+    settings: Settings, model: Any, vocab_size: int, worker_id: str
+) -> BatchInvariance:
+    """The load-time batch-invariance check (worker/engine/batch_invariance.py), or its
+    unchecked verdict when `worker.batch_invariance_check` is off."""
+    from worker.engine.batch_invariance import BatchInvariance, check_batch_invariance
+
+    w = settings.worker
+    if not w.batch_invariance_check:
+        log.info("batch invariance: not checked (worker.batch_invariance_check is off)")
+        return BatchInvariance(w.batch_size, None, configured=w.batch_size)
+    verdict = check_batch_invariance(model, w, vocab_size)
+    log.info("worker %s batch invariance: %s; serving at batch size %d of %d (checked in %.2fs)",
+             worker_id, verdict.reason, verdict.limit, w.batch_size,
+             verdict.seconds)  # fmt: skip
+    return verdict
+
+
+def _served_at(settings: Settings, batching: BatchInvariance) -> Settings:
+    """The settings with the worker's batch and prefill batch sizes capped at what it serves."""
+    from worker.engine.batch_invariance import capped
+
+    worker = capped(settings.worker, batching)
+    return settings if worker is settings.worker else settings.model_copy(update={"worker": worker})
 
 
 def _prompt_cache(
