@@ -95,6 +95,22 @@ def test_batching_broken_above_four_is_served_at_four(tiny_model: Any) -> None:
     assert (served.batch_size, served.prefill_batch_size) == (4, 4)
 
 
+class RaisesInBatches(BatchSkewed):
+    """A model whose batched path raises past `above` sequences (as mlx-lm's Gemma 2 mask did
+    for three and more)."""
+
+    def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
+        if inputs.shape[0] > self._above:
+            raise ValueError("shapes cannot be broadcast")
+        return self._model(inputs, cache=cache, **kwargs)
+
+
+def test_a_batch_that_raises_counts_as_differing(tiny_model: Any) -> None:
+    config = WorkerConfig(batch_size=8)
+    verdict = check_batch_invariance(RaisesInBatches(tiny_model, above=2), config, 1024)
+    assert (verdict.limit, verdict.flag, verdict.sizes_checked) == (2, "0", (2, 8, 4))
+
+
 def test_batch_size_one_needs_no_check() -> None:
     verdict = check_batch_invariance(object(), WorkerConfig(batch_size=1), 1024)
     assert (verdict.limit, verdict.flag, verdict.sizes_checked) == (1, "1", ())
