@@ -163,8 +163,9 @@ class PromptCacheConfig(_Section):
     snapshot_max_entries: int = Field(4096, ge=0)
     snapshot_ttl_s: float = Field(7200, gt=0)
     # Snapshot-mode models keep a checkpoint of their state every this many prompt tokens while
-    # prefilling (and at the prompt's last block boundary); 0: whole-sequence snapshots only.
-    checkpoint_tokens: int = Field(256, ge=0)
+    # prefilling (and where a prompt leaves a stored prefix, and at its last block boundary);
+    # 0: whole-sequence snapshots only.
+    checkpoint_tokens: int = Field(128, ge=0)
     trace: bool = False
 
     @model_validator(mode="after")

@@ -53,7 +53,7 @@ def _engine(swa: Model, **cache: object) -> tuple[Engine, PromptCache]:
     settings = load_settings(
         overrides={
             "worker": {"batch_size": 8, "prefill_batch_size": 8},
-            "prompt_cache": {"min_prefix_tokens": 32, **cache},
+            "prompt_cache": {"min_prefix_tokens": 32, "checkpoint_tokens": 256, **cache},
         },
         environ={},
     )
@@ -86,11 +86,22 @@ def test_a_shared_prefix_resumes_from_the_deepest_checkpoint_inside_it(swa: Mode
     c = run.counters
     assert (c["checkpoint_lookups"], c["checkpoint_hits"]) == (3, 2)
     assert c["checkpoint_tokens_reused"] == 256 + 320 == c["snapshot_tokens_reused"]
-    # B kept its own checkpoint at 320 (A's did not fit it); its 256 was A's, touched.
-    assert c["checkpoint_inserts"] == 3
+    # B kept its own 320 (A's holds A's tokens) and one where it left A's prefix (288).
+    assert c["checkpoint_inserts"] == 4
     gauges = pc.gauges()
-    assert gauges["checkpoint_entries"] == 3 and gauges["checkpoint_bytes"] > 0
+    assert gauges["checkpoint_entries"] == 4 and gauges["checkpoint_bytes"] > 0
     assert gauges["checkpoint_bytes"] < gauges["snapshot_bytes"]
+
+
+def test_the_next_prompt_like_two_that_diverged_resumes_where_they_did(swa: Model) -> None:
+    engine, _ = _engine(swa)
+    run = Run()
+    _run(engine, run, "a", A)
+    assert _run(engine, run, "b", B) == 256
+    third = SHARED + [600 + i for i in range(24)]
+    # B kept a checkpoint where it left A's prefix (300, floored to its block: 288).
+    assert _run(engine, run, "c", third) == 288
+    assert run.tokens("c") == reference_tokens(swa, third, MAX_TOKENS)
 
 
 def test_the_routing_index_holds_only_the_blocks_a_hit_can_resume_at(swa: Model) -> None:

@@ -249,7 +249,8 @@ class Engine:
         self._begin(req, out)
         cached = req.cached_tokens
         # Checkpoints are kept at the prefill's segment ends; a fast start has none.
-        marks = self.prompt_cache.checkpoint_marks(cached, len(prompt)) if self.prompt_cache else []
+        pc = self.prompt_cache
+        marks = pc.checkpoint_marks(req.namespace, prompt, cached) if pc is not None else []
         if adopted is not None and not marks and len(prompt) - cached <= FAST_START_MAX_TOKENS:
             self._fast_start(req, adopted.caches, out)
             return

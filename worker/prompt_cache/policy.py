@@ -199,17 +199,20 @@ class PromptCache:
         return AdoptResult(caches, match.entry_len, True)
 
     # -- checkpoints -------------------------------------------------------------------------
-    def checkpoint_marks(self, start: int, prompt_len: int) -> list[int]:
-        """Where a prompt prefilled from `start` keeps checkpoints (prompt_cache.checkpoints)."""
+    def checkpoint_marks(self, ns: CacheNamespace, prompt: list[int], start: int) -> list[int]:
+        """Where a prompt prefilled from `start` keeps checkpoints (prompt_cache.checkpoints):
+        its regular ones, and the block boundary where it leaves the longest prefix it shares
+        with a stored entry, the point the next prompt like both will diverge at too."""
         if not self.checkpoint_every or not self.store.enabled:
             return []
-        return checkpoint_positions(
-            start,
-            prompt_len,
-            every=self.checkpoint_every,
-            block=self.config.apc_block_size,
-            min_tokens=self._min_adopt,
+        block = self.config.apc_block_size
+        marks = checkpoint_positions(
+            start, len(prompt), every=self.checkpoint_every, block=block, min_tokens=self._min_adopt
         )
+        shared = self.store.snapshots.shared_prefix(ns, tuple(prompt[:-1])) // block * block
+        if shared > start and shared >= self._min_adopt and shared not in marks:
+            marks = sorted([*marks, shared])
+        return marks
 
     def keep_checkpoint(
         self,
