@@ -70,7 +70,7 @@ def test_every_dashboard_series_exists_at_zero_before_any_request(
     assert {"mlxcel_routing_predicted_tokens_total", "mlxcel_request_ttft_ms_bucket"} <= queried
 
     with running_pool(tiny_model_dir, tmp_path) as pool:
-        text = httpx.get(f"{pool.url}/metrics", timeout=10).text  # the first request of all
+        text = httpx.get(f"{pool.url}/metrics", timeout=10).text  # before any generation request
         roster = {m.decode() for m in redis.Redis.from_url(pool.redis_url).smembers(
             keys.workers_roster())}  # fmt: skip
     assert roster == {"w1"}
