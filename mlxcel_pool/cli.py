@@ -15,11 +15,9 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from mlxcel_pool.supervisor import Pool, PoolError, ensure_model
+from mlxcel_pool.supervisor import EXIT_CONFIG, Pool, PoolError, ensure_model
 from shared.config import ConfigError, Settings, load_settings
 from shared.redis_auth import PASSWORD_FILE, embedded_password, masked_url
-
-EXIT_CONFIG = 2
 
 
 def _positive(text: str) -> int:

@@ -65,6 +65,10 @@ class StopFlag(Protocol):
     def wait(self, timeout: float) -> bool: ...
 
 
+# A child's (and the command's) exit code for settings or files it cannot use: never restarted.
+EXIT_CONFIG = 2
+
+
 def describe_exit(returncode: int) -> str:
     """`code 2`, or `code -9 (signal SIGKILL)` for a child a signal ended."""
     if returncode < 0:
@@ -306,6 +310,14 @@ class Pool:
         while not stop.wait(poll_s):
             now = clock()
             for name, rc in self._exited(skip=due):
+                if rc == EXIT_CONFIG and name != REDIS:
+                    # It said what in its settings or files it cannot use: a restart would only
+                    # say it again, five times, before the crash loop stops the pool anyway.
+                    headline = (
+                        f"{name} exited with code {EXIT_CONFIG} (a configuration error, see its "
+                        "last lines): not restarting it; stopping the pool"
+                    )
+                    raise PoolError(self._report(headline, [name]))
                 decision = ledger.decide(name, now)
                 if not decision.restart:
                     raise PoolError(self._report(decision.message(describe_exit(rc)), [name]))

@@ -184,7 +184,7 @@ def test_a_sigterm_drains_the_worker_and_it_comes_back_losing_no_request(
 def test_the_embedded_redis_comes_back_on_the_same_url(pool: Pool, supervised: list[str]) -> None:
     old, url = pool.pid(REDIS), pool.redis_url
     # The cache dir's password: the URL every child holds stays valid across the restart.
-    assert url.startswith(f"redis://:{embedded_password(pool.settings.cache_dir)}@127.0.0.1:")
+    assert url.startswith(f"redis://mlxcel:{embedded_password(pool.settings.cache_dir)}@127.0.0.1:")
     r = redis.Redis.from_url(url)
     holder, _ = complete(pool, PREFIX + tail(1))
     wait_for(lambda: holds(r, holder, PREFIX) == 6, 10, "the holder's index lists the prefix")
@@ -223,23 +223,46 @@ def test_a_worker_stopped_on_purpose_is_not_restarted(pool: Pool, supervised: li
     assert supervised == []
 
 
-def test_a_child_that_keeps_dying_stops_the_pool_naming_it(pool: Pool) -> None:
-    # An invalid worker setting: the worker exits 2 before it loads anything, every time.
-    pool.start_worker("wbad", env={"MLXCEL_BATCH_SIZE": "0"})
+def _supervise_until_it_stops(pool: Pool, lines: list[str]) -> PoolError:
     stop = threading.Event()
-    timer = threading.Timer(60, stop.set)  # bounds the test should the crash loop go unnoticed
+    timer = threading.Timer(60, stop.set)  # bounds the test should the stop go unnoticed
     timer.start()
-    lines: list[str] = []
     started = time.monotonic()
     try:
         with pytest.raises(PoolError) as caught:
             pool.supervise(stop, log=lines.append, poll_s=0.05)
     finally:
         timer.cancel()
-        pool.stop_worker("wbad")
     assert time.monotonic() - started < 60
-    assert [line.split(";")[0] for line in lines] == ["wbad exited with code 2"] * 2
-    message = str(caught.value)
-    assert message.startswith("wbad exited with code 2 after 2 restart(s) in the last 60 s: crash")
-    assert "worker.batch_size" in message  # the tail of its log says why
+    return caught.value
+
+
+def test_a_child_that_keeps_dying_stops_the_pool_naming_it(pool: Pool) -> None:
+    # Python itself cannot start (exit 1), every time: a crash, not a configuration error.
+    pool.start_worker("wbad", env={"PYTHONHOME": "/nonexistent"})
+    lines: list[str] = []
+    try:
+        error = _supervise_until_it_stops(pool, lines)
+    finally:
+        pool.stop_worker("wbad")
+    assert [line.split(";")[0] for line in lines] == ["wbad exited with code 1"] * 2
+    assert str(error).startswith(
+        "wbad exited with code 1 after 2 restart(s) in the last 60 s: crash"
+    )
     assert pool.health_status() == 200  # the caller stops the pool; the others are still up
+
+
+def test_a_configuration_error_stops_the_pool_without_restarts(pool: Pool) -> None:
+    # An invalid worker setting: the worker exits 2 before it loads anything; a restart would
+    # only say so again.
+    pool.start_worker("wconf", env={"MLXCEL_BATCH_SIZE": "0"})
+    lines: list[str] = []
+    try:
+        error = _supervise_until_it_stops(pool, lines)
+    finally:
+        pool.stop_worker("wconf")
+    assert lines == []  # not restarted once
+    message = str(error)
+    assert message.startswith("wconf exited with code 2 (a configuration error")
+    assert "worker.batch_size" in message  # the tail of its log says why
+    assert pool.health_status() == 200
