@@ -144,8 +144,9 @@ class Pool:
     """One router and `workers` workers (ids w1..wN) against one Redis.
 
     `settings.redis.url` empty: an embedded redis-server is started, on loopback, with the
-    password kept in `<cache_dir>/redis.password`; `redis_url` carries it, so never log it
-    unmasked (`shared.redis_auth.masked_url`). `settings.router.port` 0:
+    password kept in `<cache_dir>/redis.password`; `redis_url`, its ACL user `mlxcel` without the
+    dangerous commands (never the server's admin user), carries it, so never log it unmasked
+    (`shared.redis_auth.masked_url`). `settings.router.port` 0:
     a free port is chosen. `extra_env` is added to every child's environment. `restart_policy`
     (default: `settings.supervisor`) governs `supervise`. Each child's output goes to its rotated
     log file (`log_path`) and, with `echo`, to that stream too, prefixed with the child's name.

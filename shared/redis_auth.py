@@ -2,9 +2,11 @@
 
 A Redis URL may carry a password (`redis://:<password>@host:port/0`, `rediss://user:<password>@...`
 or `?password=`; a Sentinel URL's `redis+sentinel://:<password>@h1:26379,h2:26379/<service>` and
-its `?sentinel_password=`). Whatever logs or prints a Redis URL prints `masked_url(url)`, so no
-log file and no error message holds the secret; the only place the full URL of the embedded
-Redis is shown is the line `mlxcel-pool up` prints on its own stdout for the operator.
+its `?sentinel_password=`); the embedded Redis's names its ACL user,
+`redis://mlxcel:<password>@127.0.0.1:<port>/0`. Whatever logs or prints a Redis URL prints
+`masked_url(url)`, so no log file and no error message holds the secret; the only place the full
+URL of the embedded Redis is shown is the line `mlxcel-pool up` prints on its own stdout for the
+operator.
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ def _masked_port(hostport: str) -> str:
 
 
 def embedded_password(cache_dir: Path) -> str:
-    """The embedded Redis's password, kept in `<cache_dir>/redis.password` (mode 0600).
+    """The embedded Redis's password (its pool user's, `shared.redis_server.POOL_USER`), kept in
+    `<cache_dir>/redis.password` (mode 0600).
 
     Made once with `secrets.token_urlsafe`, then reused: a restarted server (by `Pool.supervise`,
     or a new `mlxcel-pool up` / `mlxcel-pool redis` on the same port) takes the same password, so

@@ -2,9 +2,18 @@
 free loopback port with no persistence: for `mlxcel-pool up` without REDIS_URL, and for tests.
 
 Redis is the pool's trust boundary (it holds every prompt and every response stream), so the
-server binds loopback only and requires a password (`requirepass`): `EmbeddedRedis.url` carries
-it. The password goes to redis-server in a config file in its private work dir (mode 0700), never
-on its command line, which any local user can read.
+server binds loopback only and every connection must log in as an ACL user; `default` is off:
+
+- `mlxcel` (POOL_USER), whose URL (`EmbeddedRedis.url`) the router, workers and dashboard get:
+  every command but Redis's `@dangerous` ones, less the few of those rq and redis-py send
+  (POOL_ACL). It cannot make the server a replica (`REPLICAOF`/`SLAVEOF`), `DEBUG`, change ACLs,
+  `CONFIG`, `FLUSHALL`/`FLUSHDB`, `SHUTDOWN`, `SAVE`, `MONITOR`, `KEYS`, `CLIENT KILL`, ...
+- `mlxcel-admin` (ADMIN_USER), every command, with a secret of its own
+  (`EmbeddedRedis.admin_url`) that is never handed to a child: for tests' flushes and snapshots,
+  and for the embedded Sentinel set's replication and sentinel.
+
+The secrets go to redis-server in a config file in its private work dir (mode 0700), never on
+its command line, which any local user can read.
 """
 
 from __future__ import annotations
@@ -23,9 +32,22 @@ from pathlib import Path
 
 from shared.redis_auth import masked_url
 
-# Disabled on the embedded server: CONFIG SET can make Redis write files where it likes and
-# MODULE LOAD runs a shared library, and neither the pool, rq nor redis-py ever sends them.
-DISABLED_COMMANDS = ("CONFIG", "MODULE")
+POOL_USER = "mlxcel"
+ADMIN_USER = "mlxcel-admin"
+# The pool's rights: all keys and channels, every command but @dangerous ones, and of those only
+# INFO (rq reads the server version), CLIENT SETNAME and LIST (rq names its connection and finds
+# its own address), and the two CLIENT subcommands redis-py sends on every new connection and
+# ignores the failure of (SETINFO: Redis 7.2+; MAINT_NOTIFICATIONS: RESP3), allowed so that
+# Redis 6.2 answers them "unknown" instead of logging a refusal (`ACL LOG`) each time.
+POOL_COMMANDS = (
+    "+@all -@dangerous +info +client|setname +client|list +client|setinfo"
+    " +client|maint_notifications"
+)
+POOL_ACL = f"~* &* {POOL_COMMANDS}"
+ADMIN_ACL = "~* &* +@all"
+# Disabled for every user, admin included: MODULE LOAD runs a shared library, and nothing of the
+# pool's, rq's, redis-py's or a sentinel's ever sends it.
+DISABLED_COMMANDS = ("MODULE",)
 
 
 class RedisServerError(RuntimeError):
@@ -63,11 +85,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def embedded_url(host: str, port: int, password: str) -> str:
-    """The URL clients of an embedded server use, password included: hand it on, never log it
-    (log `shared.redis_auth.masked_url(url)`)."""
+def embedded_url(host: str, port: int, password: str, username: str | None = POOL_USER) -> str:
+    """The URL clients of an embedded server use (the pool's user unless told; None: no user,
+    as a sentinel's `requirepass`), password included: hand it on, never log it (log
+    `shared.redis_auth.masked_url(url)`)."""
     host = f"[{host}]" if ":" in host else host
-    return f"redis://:{password}@{host}:{port}/0"
+    return f"redis://{username or ''}:{password}@{host}:{port}/0"
 
 
 @dataclass
@@ -76,11 +99,21 @@ class EmbeddedRedis:
     port: int
     workdir: str
     host: str
-    password: str
+    password: str  # POOL_USER's (a sentinel: its `requirepass`)
+    username: str | None = POOL_USER  # None: a sentinel, which has no ACL users of ours
+    admin_password: str | None = None  # ADMIN_USER's; None: a sentinel
 
     @property
     def url(self) -> str:
-        return embedded_url(self.host, self.port, self.password)
+        """The pool's URL: what the router, workers and dashboard get."""
+        return embedded_url(self.host, self.port, self.password, self.username)
+
+    @property
+    def admin_url(self) -> str:
+        """ADMIN_USER's URL, every command allowed: never hand it to a child or log it."""
+        if self.admin_password is None:
+            raise RedisServerError("this server has no admin user")
+        return embedded_url(self.host, self.port, self.admin_password, ADMIN_USER)
 
     @property
     def masked_url(self) -> str:
@@ -98,9 +131,10 @@ class EmbeddedRedis:
 
     def restarted(self, timeout: float = 10.0) -> EmbeddedRedis:
         """Stop this server (if still running) and start an empty one on the same host, port and
-        password, so clients keep their URL and reconnect."""
+        passwords, so clients keep their URL and reconnect."""
         self.stop()
-        return start_redis(port=self.port, host=self.host, timeout=timeout, password=self.password)
+        return start_redis(port=self.port, host=self.host, timeout=timeout, password=self.password,
+                           admin_password=self.admin_password)  # fmt: skip
 
 
 def start_redis(
@@ -110,33 +144,36 @@ def start_redis(
     rdb: str | os.PathLike[str] | None = None,
     password: str | None = None,
     replicaof: tuple[str, int] | None = None,
-    config_command: str | None = None,
+    admin_password: str | None = None,
 ) -> EmbeddedRedis:
     """Start redis-server and wait until it answers PING. `rdb`: a snapshot (SAVE's dump.rdb)
-    to start from, as a Redis with persistence restarts. `password`: what clients must send
-    (`shared.redis_auth.embedded_password` keeps one in the cache dir); None: a fresh one.
+    to start from, as a Redis with persistence restarts. `password`: what POOL_USER must send
+    (`shared.redis_auth.embedded_password` keeps one in the cache dir); `admin_password`:
+    ADMIN_USER's. None: a fresh one.
 
     For a Sentinel-managed set (tests): `replicaof` (host, port) starts a replica of that
-    primary (which has the same password), and `config_command` is the secret name CONFIG
-    answers to instead of being disabled (a sentinel reconfigures a server with CONFIG REWRITE:
-    `start_sentinel` tells it the name)."""
+    primary, given the primary's `admin_password` (every server of a set shares both secrets:
+    replicas and the sentinel log in as ADMIN_USER, and any server may become a replica)."""
     if not is_loopback(host):
         raise RedisServerError(f"the embedded redis-server binds loopback only, not {host!r}")
     password = password or secrets.token_urlsafe(32)
-    if not re.fullmatch(r"[A-Za-z0-9_-]+", password):
-        raise RedisServerError("the password must be URL-safe (letters, digits, '-', '_')")
+    admin_password = admin_password or secrets.token_urlsafe(32)
+    for secret in (password, admin_password):
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", secret):
+            raise RedisServerError("the password must be URL-safe (letters, digits, '-', '_')")
+    if password == admin_password:
+        raise RedisServerError("the admin password must differ from the pool's")
     port = port or free_port(host)
     workdir = tempfile.mkdtemp(prefix="mlxcel-redis-")  # mode 0700: the config file is private
     if rdb is not None:
         shutil.copy(rdb, os.path.join(workdir, "dump.rdb"))
     conf = os.path.join(workdir, "redis.conf")
     with open(os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-        f.write(f"requirepass {password}\n")
+        f.write(acl_config(password, admin_password))
         for cmd in DISABLED_COMMANDS:
-            renamed = config_command if cmd == "CONFIG" and config_command else '""'
-            f.write(f"rename-command {cmd} {renamed}\n")
-        if replicaof is not None or config_command:  # a replica now, or once failed over
-            f.write(f"masterauth {password}\n")
+            f.write(f'rename-command {cmd} ""\n')
+        # Written on every server, since a sentinel may demote any primary to a replica.
+        f.write(f"masteruser {ADMIN_USER}\nmasterauth {admin_password}\n")
         if replicaof is not None:
             f.write(f"replicaof {replicaof[0]} {replicaof[1]}\n")
     args = [
@@ -150,25 +187,36 @@ def start_redis(
         start_new_session=True,
         env={**os.environ},
     )
-    server = EmbeddedRedis(proc, port, workdir, host, password)
+    server = EmbeddedRedis(proc, port, workdir, host, password, POOL_USER, admin_password)
     _wait_answers(server, timeout)
     return server
+
+
+def acl_config(password: str, admin_password: str) -> str:
+    """The redis.conf lines of the embedded server's users: `default` off (a client that sends no
+    user name is refused), POOL_USER with POOL_ACL, ADMIN_USER with every command."""
+    return (
+        "user default reset\n"  # off, no password, no keys, no channels, no commands
+        f"user {POOL_USER} on >{password} {POOL_ACL}\n"
+        f"user {ADMIN_USER} on >{admin_password} {ADMIN_ACL}\n"
+    )
 
 
 def start_sentinel(
     primary: EmbeddedRedis,
     service_name: str,
-    config_command: str,
     down_after_ms: int = 1000,
     failover_timeout_ms: int = 3000,
     port: int | None = None,
     timeout: float = 10.0,
 ) -> EmbeddedRedis:
     """Start a sentinel (`redis-server <conf> --sentinel`) that monitors `primary` as
-    `service_name` with quorum 1 (tests: one sentinel decides alone). It authenticates to the
-    servers with the primary's password and reconfigures them with `config_command` (what
-    `start_redis(config_command=...)` renamed CONFIG to); it asks its own clients for a
-    password of its own (`EmbeddedRedis.password`: the URL's `sentinel_password`)."""
+    `service_name` with quorum 1 (tests: one sentinel decides alone). It logs in to the servers
+    as ADMIN_USER with the primary's admin password (it needs CONFIG, REPLICAOF, CLIENT KILL,
+    ...); it asks its own clients for a password of its own (`EmbeddedRedis.password`: the URL's
+    `sentinel_password`)."""
+    if primary.admin_password is None:
+        raise RedisServerError("a sentinel monitors an embedded redis-server, not a sentinel")
     host = primary.host
     password = secrets.token_urlsafe(32)
     port = port or free_port(host)
@@ -179,11 +227,11 @@ def start_sentinel(
             f"port {port}\nbind {host}\ndir {workdir}\ndaemonize no\nloglevel warning\n"
             f"requirepass {password}\n"
             f"sentinel monitor {service_name} {host} {primary.port} 1\n"
-            f"sentinel auth-pass {service_name} {primary.password}\n"
+            f"sentinel auth-user {service_name} {ADMIN_USER}\n"
+            f"sentinel auth-pass {service_name} {primary.admin_password}\n"
             f"sentinel down-after-milliseconds {service_name} {down_after_ms}\n"
             f"sentinel failover-timeout {service_name} {failover_timeout_ms}\n"
             f"sentinel parallel-syncs {service_name} 1\n"
-            f"sentinel rename-command {service_name} CONFIG {config_command}\n"
         )
     proc = subprocess.Popen(
         [redis_server_binary(), conf, "--sentinel"],
@@ -191,13 +239,14 @@ def start_sentinel(
         stderr=subprocess.PIPE,
         start_new_session=True,
     )
-    sentinel = EmbeddedRedis(proc, port, workdir, host, password)
+    sentinel = EmbeddedRedis(proc, port, workdir, host, password, username=None)
     _wait_answers(sentinel, timeout)
     return sentinel
 
 
 def _wait_answers(server: EmbeddedRedis, timeout: float) -> None:
-    probe = f"AUTH {server.password}\r\nPING\r\n".encode()
+    user = f"{server.username} " if server.username else ""
+    probe = f"AUTH {user}{server.password}\r\nPING\r\n".encode()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
@@ -217,7 +266,7 @@ def _wait_answers(server: EmbeddedRedis, timeout: float) -> None:
 
 
 def _answers(host: str, port: int, probe: bytes) -> bool:
-    """Whether the server accepts the password and answers PING (`+OK` then `+PONG`)."""
+    """Whether the server accepts the login and answers PING (`+OK` then `+PONG`)."""
     with socket.create_connection((host.strip("[]"), port), timeout=0.2) as s:
         s.sendall(probe)
         reply = b""

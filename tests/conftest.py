@@ -30,8 +30,9 @@ def redis_server() -> Iterator[EmbeddedRedis]:
 
 @pytest.fixture
 def redis_url(redis_server: EmbeddedRedis) -> str:
-    """A clean database for each test."""
-    redis.Redis.from_url(redis_server.url).flushall()
+    """A clean database for each test (flushed as the admin user: the pool's URL, returned, cannot
+    FLUSHALL)."""
+    redis.Redis.from_url(redis_server.admin_url).flushall()
     return redis_server.url
 
 

@@ -123,22 +123,23 @@ def test_redis_command_needs_its_password_and_stops_on_sigint(
     env = _env(MLXCEL_CACHE_DIR=str(tmp_path / "cache"))
     with open(tmp_path / "redis.stderr", "w") as err:
         shown = _start_redis_command(port, env, err, spawned)
-    assert shown == f"redis://:***@127.0.0.1:{port}/0"  # a process manager logs this line
+    assert shown == f"redis://mlxcel:***@127.0.0.1:{port}/0"  # a process manager logs this line
     password_file = tmp_path / "cache" / "redis.password"
     assert stat.S_IMODE(password_file.stat().st_mode) == 0o600
     password = password_file.read_text().strip()
     url = _mlxcel("redis-url", "--port", str(port), env=env).stdout.strip()
-    assert url == f"redis://:{password}@127.0.0.1:{port}/0"
+    assert url == f"redis://mlxcel:{password}@127.0.0.1:{port}/0"
     assert redis.Redis.from_url(url).ping()
     with pytest.raises(redis.AuthenticationError):
         redis.Redis(port=port).ping()
 
     assert _mlxcel("wait-redis", "--timeout", "5", env={**env, "REDIS_URL": url}).returncode == 0
-    wrong = f"redis://:not-{password}@127.0.0.1:{port}/0"
+    wrong = f"redis://mlxcel:not-{password}@127.0.0.1:{port}/0"
     started = time.monotonic()
     failed = _mlxcel("wait-redis", "--timeout", "30", env={**env, "REDIS_URL": wrong})
     assert failed.returncode == 1 and time.monotonic() - started < 20  # no waiting it out
-    assert f"redis://:***@127.0.0.1:{port}/0" in failed.stderr and password not in failed.stderr
+    assert f"redis://mlxcel:***@127.0.0.1:{port}/0" in failed.stderr
+    assert password not in failed.stderr
 
     proc = spawned[-1]
     proc.send_signal(signal.SIGINT)
@@ -199,7 +200,7 @@ def test_up_serves_a_completion_and_stops_cleanly(
     # The embedded Redis needs the password kept in the cache dir; `up` shows the usable URL.
     password = (cache_dir / "redis.password").read_text().strip()
     redis_url = _wait_line(stdout, "REDIS_URL=", 10).removeprefix("REDIS_URL=")
-    assert redis_url.startswith(f"redis://:{password}@127.0.0.1:")
+    assert redis_url.startswith(f"redis://mlxcel:{password}@127.0.0.1:")
     assert redis.Redis.from_url(redis_url).ping()
 
     assert _get(f"{root}/health")[0] == 200
@@ -241,7 +242,7 @@ def test_up_serves_a_completion_and_stops_cleanly(
     seen = "".join(stdout.seen)  # type: ignore[attr-defined]
     router_ready = [ln for ln in stdout.seen if ln.startswith("router | ") and "router ready" in ln]
     assert router_ready and "routing cache_aware" in router_ready[0], seen[-3000:]
-    assert "redis redis://:***@127.0.0.1:" in router_ready[0]
+    assert "redis redis://mlxcel:***@127.0.0.1:" in router_ready[0]
     w1_ready = [ln for ln in stdout.seen if ln.startswith("w1     | ") and "ready:" in ln]
     assert w1_ready and "BLAS" in w1_ready[0] and "GFLOPS" in w1_ready[0], seen[-3000:]
     assert "prompt cache" in w1_ready[0] and "model mlxcel-tiny-s0" in w1_ready[0]
@@ -250,7 +251,7 @@ def test_up_serves_a_completion_and_stops_cleanly(
     proc.send_signal(signal.SIGINT)
     assert proc.wait(60) == 0, (tmp_path / "up.stderr").read_text()[-4000:]
     assert "mlxcel-pool up: SIGINT: stopping" in (tmp_path / "up.stderr").read_text()
-    assert "redis redis://:***@127.0.0.1:" in (tmp_path / "up.stderr").read_text()
+    assert "redis redis://mlxcel:***@127.0.0.1:" in (tmp_path / "up.stderr").read_text()
     logged = [tmp_path / "up.stderr", *(tmp_path / "logs").iterdir()]
     assert [p.name for p in logged if password in p.read_text(errors="replace")] == []
     # On the terminal, only the one REDIS_URL line for the operator carries the password.

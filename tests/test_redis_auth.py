@@ -79,21 +79,27 @@ def test_the_embedded_redis_needs_the_password_it_was_given(tmp_path: Path) -> N
     password = embedded_password(tmp_path)
     server = start_redis(password=password)
     try:
-        assert server.url == f"redis://:{password}@127.0.0.1:{server.port}/0"
-        assert server.masked_url == f"redis://:***@127.0.0.1:{server.port}/0"
+        assert server.url == f"redis://mlxcel:{password}@127.0.0.1:{server.port}/0"
+        assert server.masked_url == f"redis://mlxcel:***@127.0.0.1:{server.port}/0"
         assert redis.Redis.from_url(server.url).ping()
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(port=server.port).ping()
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(port=server.port, password="guess").ping()
+        with pytest.raises(redis.AuthenticationError):  # the `default` user is off
+            redis.Redis(port=server.port, password=password).ping()
         # The password is in a private config file, not on the command line anyone can read.
-        assert not any(password in arg for arg in psutil.Process(server.process.pid).cmdline())
-        # CONFIG (rewrites files) and MODULE (loads code) are off; nothing of ours sends them.
-        for command in ("CONFIG GET dir", "MODULE LIST"):
+        cmdline = psutil.Process(server.process.pid).cmdline()
+        assert not any(password in arg or server.admin_password in arg for arg in cmdline)
+        # MODULE (loads code) is off for every user; the pool's user cannot run CONFIG.
+        for url in (server.url, server.admin_url):
             with pytest.raises(redis.ResponseError, match="unknown command"):
-                redis.Redis.from_url(server.url).execute_command(command)
+                redis.Redis.from_url(url).execute_command("MODULE LIST")
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            redis.Redis.from_url(server.url).execute_command("CONFIG GET dir")
         again = server.restarted()
         assert again.url == server.url and redis.Redis.from_url(server.url).ping()
+        assert again.admin_url == server.admin_url and again.admin_url != again.url
         server = again
     finally:
         server.stop()

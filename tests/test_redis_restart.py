@@ -63,7 +63,7 @@ def test_a_persistent_redis_restart_fails_the_running_request(start_worker, tmp_
         w = start_worker(server.url, "w1")
         running = enqueue(r, list(range(10, 30)), max_tokens=1900)
         _wait(lambda: r.xlen(keys.request_stream(running)) > 3, 20, "the request is streaming")
-        r.save()
+        redis.Redis.from_url(server.admin_url).save()  # SAVE is the admin's, not the pool's
         snapshot = tmp_path / "dump.rdb"
         shutil.copy(f"{server.workdir}/dump.rdb", snapshot)
         server.stop()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import secrets
 import subprocess
 import sys
 import threading
@@ -33,7 +32,7 @@ from shared.redis_sentinel import (
     parse_sentinel_url,
     sentinel_url,
 )
-from shared.redis_server import EmbeddedRedis, start_redis, start_sentinel
+from shared.redis_server import POOL_USER, EmbeddedRedis, start_redis, start_sentinel
 
 REPO = Path(__file__).resolve().parent.parent
 SERVICE = "mlxcel-primary"
@@ -156,7 +155,7 @@ class SentinelSet:
         return int(self.watcher.sentinel_master(SERVICE)["port"])
 
     def direct(self, port: int) -> redis.Redis:
-        return redis.Redis(port=port, password=self.password, socket_timeout=5)
+        return redis.Redis(port=port, username=POOL_USER, password=self.password, socket_timeout=5)
 
     def wait_replicas(self, count: int, timeout: float = 20.0) -> None:
         """Until the sentinel sees `count` replicas linked to the primary: one it can promote."""
@@ -191,19 +190,19 @@ class SentinelSet:
 
 @pytest.fixture
 def sentinel_set() -> Iterator[SentinelSet]:
-    config_command = f"CONFIG-{secrets.token_hex(8)}"  # CONFIG stays unknown to clients
-    primary = start_redis(config_command=config_command)
+    primary = start_redis()
     servers = {primary.port: primary}
     sentinel: EmbeddedRedis | None = None
     try:
         for _ in range(2):
             replica = start_redis(password=primary.password, replicaof=(primary.host, primary.port),
-                                  config_command=config_command)  # fmt: skip
+                                  admin_password=primary.admin_password)  # fmt: skip
             servers[replica.port] = replica
-        sentinel = start_sentinel(primary, SERVICE, config_command, down_after_ms=1000,
-                                  failover_timeout_ms=3000)  # fmt: skip
+        sentinel = start_sentinel(primary, SERVICE, down_after_ms=1000, failover_timeout_ms=3000)
         url = sentinel_url([(sentinel.host, sentinel.port)], SERVICE, primary.password,
                            sentinel_password=sentinel.password)  # fmt: skip
+        # The pool's ACL user on the servers (sentinel_url writes a password alone).
+        url = url.replace("redis+sentinel://:", f"redis+sentinel://{POOL_USER}:", 1)
         s = SentinelSet(servers, sentinel, url, primary.password)
         s.wait_replicas(2)
         yield s
