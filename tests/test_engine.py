@@ -5,6 +5,7 @@ failing batched step, fail_all, adopt/donate and the fast start."""
 from __future__ import annotations
 
 from collections import Counter
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from shared.config import load_settings
 from shared.model_facts import model_facts
 from shared.wire import GenerationRequest, StreamEvent
 from worker.engine.engine import FAST_START_MAX_TOKENS, IDLE_RELEASE_S, Engine
+from worker.engine.grammar_compile import InlineExecutor
 from worker.engine.request import RequestStatus
 from worker.engine.results import Ended, StepResult
 from worker.main import _prompt_cache
@@ -78,8 +80,13 @@ def make_cache(tiny: Model, storage: str) -> PromptCache:
 
 
 def make_engine(
-    tiny: Model, prompt_cache: PromptCache | None = None, clock: FakeClock | None = None
+    tiny: Model,
+    prompt_cache: PromptCache | None = None,
+    clock: FakeClock | None = None,
+    grammar_executor: Executor | None = None,
 ) -> Engine:
+    """An engine on the tiny model; grammars compile at admission (InlineExecutor) unless a
+    test passes its own executor."""
     return Engine(
         tiny.model,
         tiny.tokenizer,
@@ -89,6 +96,7 @@ def make_engine(
         context_length=tiny.context_length,
         prompt_cache=prompt_cache,
         clock=(clock or FakeClock()).now,
+        grammar_executor=grammar_executor or InlineExecutor(),
     )
 
 
@@ -694,10 +702,13 @@ def test_prompt_logprobs_are_what_a_greedy_continuation_reports(tiny: Model) -> 
     assert_length_finish(scored, "s", lone.tokens("s"))
     assert scored.counters["batch_prefill_tokens"] == lone.counters["batch_prefill_tokens"]
 
-    # max_tokens 0: the prompt's logprobs only, ended in admit; its KV goes to the cache.
+    # max_tokens 0: the prompt's logprobs only, ended by the step that scores its one chunk;
+    # its KV goes to the cache.
     engine = make_engine(tiny, make_cache(tiny, "dense"))
     only = Run()
-    done = only.add(engine.admit(spec("z", LONG, max_tokens=0, prompt_logprobs=0)))
+    admitted = only.add(engine.admit(spec("z", LONG, max_tokens=0, prompt_logprobs=0)))
+    assert admitted.prefill_pending and engine.find("z").status is RequestStatus.SCORING
+    done = only.add(engine.step())
     assert [e.request.id for e in done.ended] == ["z"] and engine.active == 0
     assert only.kinds("z") == ["start", "done"]
     assert (only.last("z").finish_reason, only.last("z").completion_tokens) == ("length", 0)
@@ -712,8 +723,9 @@ def test_a_group_asking_for_prompt_logprobs_scores_the_prompt_once(tiny: Model) 
     run = Run()
     for s in specs:
         run.add(engine.admit(s))
+    run.add(engine.step())
     starts = [run.events[s.request_id][0] for s in specs]
-    # The first scores (and so prefills) the prompt in admit; the others take both from it.
+    # The first scores (and so prefills) the prompt in a step; the others take both from it.
     assert all(len(st.prompt_logprobs) == len(LONG) - 1 for st in starts)
     assert starts[1].prompt_logprobs == starts[2].prompt_logprobs == starts[0].prompt_logprobs
     assert [st.cached_tokens for st in starts] == [0, len(LONG) - 1, len(LONG) - 1]

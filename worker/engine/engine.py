@@ -1,11 +1,15 @@
 """The batch engine: continuous batching around mlx-lm's BatchGenerator, with the prompt cache at
-admission (adopt) and at a healthy finish (donate). No Redis, no rq, no threads: the clock is
-passed in, and every call returns a `StepResult` the caller applies.
+admission (adopt) and at a healthy finish (donate). No Redis, no rq, no threads of its own (a
+grammar compiles on the executor passed in): the clock is passed in, and every call returns a
+`StepResult` the caller applies.
 
 Shape (BatchGenerator's verbs): `admit(spec)` puts a request in the batch, `step()` runs one
 decode step plus a prefill chunk, `cancel(id)` takes one out, `fail_all(...)` empties the batch.
 The choices of one prompt (a `group`) compute it once: one prefills, the others start from
 copies of its KV (worker/engine/shared_prompt.py).
+No request holds the loop: a prompt scored for its logprobs runs a chunk a step beside the
+batch's decode step (worker/engine/scoring.py), and a grammar compiles once, on an injected
+executor, while its requests wait (worker/engine/grammar_compile.py).
 A failure that belongs to one request (its admission, its sampler, its text) ends that request
 and leaves the batch running; a failure of the batched step itself fails every running request
 and starts a fresh generator, so the engine always goes on.
@@ -16,19 +20,21 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Executor, Future
 from typing import Any
 
 import mlx.core as mx
+from llguidance import LLMatcher
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import greedy_sampler
 
 from shared.config import WorkerConfig
 from shared.wire import GenerationRequest, StreamEvent
+from worker.engine.admission import AdmissionError, check_admissible
 from worker.engine.grammar import GrammarError, GrammarTokenizer
-from worker.engine.prompt_logprobs import score_prompt
+from worker.engine.grammar_compile import GrammarCompiler, GrammarWaits
 from worker.engine.request import Request, RequestStatus
-from worker.engine.results import StepResult
+from worker.engine.results import EngineCounters, StepResult
 from worker.engine.sampling import (
     LogprobEntry,
     apply_processors,
@@ -36,7 +42,14 @@ from worker.engine.sampling import (
     make_logits_processors,
     make_request_sampler,
 )
-from worker.engine.shared_prompt import Holds, can_share, group_mate, prompt_kv_copies
+from worker.engine.scoring import Scorer
+from worker.engine.shared_prompt import (
+    Holds,
+    can_share,
+    can_start_from,
+    group_mate,
+    prompt_kv_copies,
+)
 from worker.engine.text_stream import TextStream
 from worker.mlx_cpu.idle_memory import release_idle_memory
 from worker.mlx_cpu.last_logits import last_logits
@@ -50,6 +63,8 @@ log = logging.getLogger("mlxcel.worker.engine")
 FAST_START_MAX_TOKENS = 64
 # An engine idle this long (engine clock) gives its spare memory back (worker/mlx_cpu).
 IDLE_RELEASE_S = 1.0
+# A step with nothing to run but grammar compiles waits this long for one (seconds).
+COMPILE_WAIT_S = 0.005
 # An echoed completion's detokenizer is fed this many of the prompt's last tokens first: more
 # than one character's bytes ever span.
 PRIMING_TOKENS = 8
@@ -59,28 +74,6 @@ GRAMMAR_FAILED = "the grammar of response_format or tool_choice"
 INVALID = "invalid_request_error"
 SERVER = "server_error"
 TIMEOUT = "timeout"
-
-
-class AdmissionError(ValueError):
-    """A request this model cannot run (token ids or length out of range)."""
-
-
-@dataclass
-class EngineCounters:
-    """Drained into every StepResult, like the prompt cache's counters."""
-
-    requests: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    batch_prefill_tokens: int = 0
-    batch_decode_tokens: int = 0
-    batch_decode_steps: int = 0
-
-    def take(self) -> dict[str, int]:
-        out = {k: v for k, v in vars(self).items() if v}
-        for k in out:
-            setattr(self, k, 0)
-        return out
 
 
 class Engine:
@@ -95,6 +88,7 @@ class Engine:
         context_length: int,
         prompt_cache: PromptCache | None,
         clock: Callable[[], float] = time.monotonic,
+        grammar_executor: Executor | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -107,8 +101,10 @@ class Engine:
         self.clock = clock
         self.counters = EngineCounters()
         self._eos = frozenset(tokenizer.eos_token_ids)
-        # llguidance's view of the tokenizer, built on the first response_format request.
-        self._grammars = GrammarTokenizer(tokenizer, self.vocab_size, self._eos)
+        # Each distinct grammar compiled once, on the executor (default: one thread).
+        self._grammars = GrammarCompiler(
+            GrammarTokenizer(tokenizer, self.vocab_size, self._eos), grammar_executor
+        )
         self._last_reject_sent: dict[str, Any] | None = None
         # MLX has buffers cached since this engine last worked (at _busy_at, engine clock).
         self._buffers_held = False
@@ -118,6 +114,10 @@ class Engine:
         self._running: dict[int, Request] = {}
         # Group-mates waiting for the prefill of the prompt they share (not in the batch yet).
         self._held = Holds()
+        # Requests waiting for their grammar's compile, and those scoring their prompts: the
+        # two stages before the batch, both advanced by step().
+        self._compiles = GrammarWaits()
+        self._scorer = Scorer(model, config.prefill_step_size)
         self._share_prompts = can_share(model)
         self.gen = self._new_generator()
 
@@ -133,7 +133,7 @@ class Engine:
 
     @property
     def active(self) -> int:
-        return len(self._running) + len(self._held)
+        return len(self._running) + len(self._held) + len(self._compiles) + len(self._scorer)
 
     @property
     def free_slots(self) -> int:
@@ -141,8 +141,9 @@ class Engine:
 
     @property
     def running(self) -> list[Request]:
-        """Every request the engine holds: in the batch, or waiting for a group-mate."""
-        return [*self._running.values(), *self._held]
+        """Every request the engine holds: in the batch, scoring its prompt, or waiting for a
+        group-mate or for its grammar."""
+        return [*self._running.values(), *self._scorer, *self._held, *self._compiles]
 
     def find(self, request_id: str) -> Request | None:
         return next((r for r in self.running if r.id == request_id), None)
@@ -156,7 +157,7 @@ class Engine:
         request that cannot run ends here, failed, with an error event; nothing else changes."""
         out = StepResult()
         now = self.clock()
-        self._working()  # a request can end here (fast start, echo scoring) and leave buffers
+        self._working()  # a request can compute here (a fast start) and leave buffers
         req = Request(
             spec=spec,
             ticket=ticket,
@@ -168,19 +169,38 @@ class Engine:
             deadline=now + timeout_s if timeout_s and timeout_s > 0 else None,
         )
         try:
-            self._check(spec)
+            check_admissible(spec, self.vocab_size, self.context_length)
             if spec.echo:  # its text continues the prompt's
                 req.text.prime(spec.prompt_tokens[-PRIMING_TOKENS:])
             req.sampler = make_request_sampler(spec, self.vocab_size)
             req.processors = make_logits_processors(spec)
-            if spec.grammar is not None:
-                # Last: after logit_bias, so a token the grammar bans stays banned.
-                req.grammar = self._grammars.constraint(spec)
-                req.processors.append(req.grammar)
-            self._launch(req, out)
+            compiled = self._grammars.compile(spec.grammar) if spec.grammar is not None else None
+            if compiled is not None and not compiled.done():
+                self._compiles.wait(req, compiled)  # step() starts it once its compile is done
+                out.prefill_pending = True
+            else:
+                self._constrained_launch(req, compiled, out)
         except Exception as exc:  # this request's own failure: the batch runs on without it
             self._start_failed(req, exc, out)
         return self._drained(out)
+
+    def _constrained_launch(
+        self, req: Request, compiled: Future[LLMatcher] | None, out: StepResult
+    ) -> None:
+        """Launch with its own copy of its grammar's compiled matcher, when it has one."""
+        if compiled is not None:
+            # Last: after logit_bias, so a token the grammar bans stays banned.
+            req.grammar = self._grammars.constraint(compiled, req.spec)
+            req.processors.append(req.grammar)
+        self._launch(req, out)
+
+    def _start_compiled(self, out: StepResult) -> None:
+        """The requests whose grammar compiled since the last step start now."""
+        for req, compiled in self._compiles.ready():
+            try:
+                self._constrained_launch(req, compiled, out)
+            except Exception as exc:
+                self._start_failed(req, exc, out)
 
     def _start_failed(self, req: Request, exc: Exception, out: StepResult) -> None:
         """A request that could not start fails alone: as the caller's error when its spec or
@@ -191,25 +211,12 @@ class Engine:
         log.exception("starting %s failed", req.id)
         self._abandon(req, RequestStatus.FAILED, _describe(exc), SERVER, out)
 
-    def _check(self, spec: GenerationRequest) -> None:
-        n = len(spec.prompt_tokens)
-        if max(spec.prompt_tokens) >= self.vocab_size:
-            raise AdmissionError(f"prompt token id out of range for vocab size {self.vocab_size}")
-        if spec.logit_bias and max(spec.logit_bias) >= self.vocab_size:
-            raise AdmissionError(
-                f"logit_bias token id out of range for vocab size {self.vocab_size}"
-            )
-        if n + spec.max_tokens > self.context_length:
-            raise AdmissionError(
-                f"prompt ({n} tokens) + max_tokens ({spec.max_tokens}) exceeds the model's "
-                f"context length {self.context_length}"
-            )
-
     def _launch(self, req: Request, out: StepResult) -> None:
         """Start a request. One of a group starts from a copy of a group-mate's KV of their
         prompt, or waits while the mate computes it; the first of a group starts on its own."""
-        mate = group_mate(req, self._running.values()) if self._share_prompts else None
-        if mate is None or not _can_start_from(req, mate):
+        computing = [*self._running.values(), *self._scorer]
+        mate = group_mate(req, computing) if self._share_prompts else None
+        if mate is None or not can_start_from(req, mate):
             self._start(req, out)
         elif not mate.prompt_ready:
             self._held.hold(req, mate)
@@ -260,24 +267,54 @@ class Engine:
 
     def _start_scored(self, req: Request, out: StepResult) -> None:
         """A request that asked for its prompt's logprobs, or for no new token: the scoring pass
-        (worker/engine/prompt_logprobs.py) over the prompt but its last token, here, is also its
-        prefill; with max_tokens 0 it ends at once."""
+        over the prompt but its last token (worker/engine/scoring.py), a chunk a step, is also
+        its prefill (`_scored` goes on from there); with nothing to score it starts here."""
         spec = req.spec
         prompt = spec.prompt_tokens
-        caches = None
-        if spec.prompt_logprobs is not None:
-            with mx.stream(self.gen.stream):
-                caches, req.prompt_logprobs = score_prompt(
-                    self.model, prompt, spec.prompt_logprobs, self.config.prefill_step_size
-                )
-            self.counters.batch_prefill_tokens += len(prompt) - 1
-            req.prompt_ready = caches is not None
+        if spec.prompt_logprobs is not None and len(prompt) > 1:
+            self._scorer.add(req, spec.prompt_logprobs)
+            out.prefill_pending = True
+            return
+        req.prompt_logprobs = [] if spec.prompt_logprobs is not None else None
         self._begin(req, out)
-        if spec.max_tokens == 0:
-            self._finish(req, "length", caches, prompt[:-1], out, donate=caches is not None)
-        elif caches is None:  # a one-token prompt: nothing scored, the batch prefills it
+        if spec.max_tokens == 0:  # nothing computed, nothing to donate
+            self._finish(req, "length", None, [], out, donate=False)
+        else:  # a one-token prompt: nothing scored, the batch prefills it
             self._insert(req, prompt, spec.max_tokens, None, [])
             out.prefill_pending = True
+
+    def _score(self, out: StepResult) -> None:
+        """This step's scoring: one chunk's positions in all, oldest request first. A request
+        whose pass is done starts (or, with max_tokens 0, ends) from its pass's cache."""
+        for req, count in self._scorer.chunks():
+            try:
+                assert req.scoring is not None  # a queued request holds its pass
+                with mx.stream(self.gen.stream):
+                    req.scoring.advance(self.model, count)
+                self.counters.batch_prefill_tokens += count
+                if req.scoring.done:
+                    self._scored(req, out)
+            except Exception as exc:  # its own failure: the others score on
+                self._start_failed(req, exc, out)
+
+    def _scored(self, req: Request, out: StepResult) -> None:
+        """The pass covers the prompt but its last token: announced with its logprobs, the
+        group-mates waiting on it start from copies of its KV, and it goes to the batch."""
+        score = req.scoring
+        assert score is not None
+        self._scorer.drop(req)
+        spec = req.spec
+        prompt = spec.prompt_tokens
+        caches, req.prompt_logprobs = score.cache, score.entries
+        req.prompt_ready, req.status = True, RequestStatus.PREFILLING
+        self._begin(req, out)
+        held = self._held.take(req)
+        if held:
+            with mx.stream(self.gen.stream):
+                copies = prompt_kv_copies(caches, len(prompt) - 1, len(held))
+            self._start_held(req, held, copies, out)
+        if spec.max_tokens == 0:
+            self._finish(req, "length", caches, prompt[:-1], out)
         else:
             self._insert(req, prompt[-1:], spec.max_tokens, caches, prompt[:-1])
 
@@ -321,15 +358,21 @@ class Engine:
             held = self._held.take(req)
             if not held:
                 continue
-            copies = self._prompt_kv(req, len(held))
-            for i, waiter in enumerate(held):
-                try:
-                    if copies is None or not _can_start_from(waiter, req):
-                        self._start(waiter, out)
-                    else:
-                        self._start_shared(waiter, req, copies[i], out)
-                except Exception as exc:  # its own failure: the others start regardless
-                    self._start_failed(waiter, exc, out)
+            self._start_held(req, held, self._prompt_kv(req, len(held)), out)
+
+    def _start_held(
+        self, mate: Request, held: list[Request], copies: list[list[Any]] | None, out: StepResult
+    ) -> None:
+        """The requests that waited on mate's prompt start, each from its copy of mate's KV
+        when there is one and it may (else it computes the prompt itself)."""
+        for i, waiter in enumerate(held):
+            try:
+                if copies is None or not can_start_from(waiter, mate):
+                    self._start(waiter, out)
+                else:
+                    self._start_shared(waiter, mate, copies[i], out)
+            except Exception as exc:  # its own failure: the others start regardless
+                self._start_failed(waiter, exc, out)
 
     def _keep_checkpoints(self, progress: list[Any]) -> None:
         """Sequences whose prefill stopped at a segment end (only snapshot mode cuts prompts
@@ -422,9 +465,10 @@ class Engine:
         self._buffers_held, self._busy_at = True, self.clock()
 
     def step(self) -> StepResult:
-        """One BatchGenerator step: a decode step for running sequences and a prefill chunk."""
+        """One step: the requests whose grammar compiled start, one chunk of prompt scoring,
+        then one BatchGenerator step (a decode step for running sequences and a prefill chunk)."""
         out = StepResult()
-        if not self._running:
+        if not self.active:
             # Idle a while: its spare memory goes back. Not at once: the release holds the GIL
             # the publisher thread needs for the last events, and a client sending request
             # after request would pay the allocations each time.
@@ -434,12 +478,18 @@ class Engine:
             return out
         self._working()
         self._expire(out)
+        self._start_compiled(out)
+        self._score(out)
+        if not self._running:
+            if self._compiles and not self._scorer:  # nothing to compute: wait for a compile
+                self._compiles.block(COMPILE_WAIT_S)
+            return self._drained(out)
         try:
             with self.gen.stats() as stats:
                 progress, responses = self.gen.next()
         except Exception as exc:  # the batched step itself: no one request to blame
             log.exception("engine step failed; failing %d running requests", self.active)
-            self._fail_running(f"engine error: {_describe(exc)}", SERVER, out)
+            self._fail_running(f"engine error: {_describe(exc)}", SERVER, out, batch_only=True)
             self.gen = self._new_generator()
             return self._drained(out)
         self.counters.batch_prefill_tokens += stats.prompt_tokens
@@ -585,8 +635,13 @@ class Engine:
         self._fail_running(error, error_type, out)
         return self._drained(out)
 
-    def _fail_running(self, error: str, error_type: str, out: StepResult) -> None:
-        for req in [*self._held, *self._running.values()]:  # the held first: none restarts
+    def _fail_running(
+        self, error: str, error_type: str, out: StepResult, batch_only: bool = False
+    ) -> None:
+        """Fail the batch and the group-mates held for it (first: none restarts), and unless
+        `batch_only`, the requests not in the batch yet (compiling, scoring) too."""
+        before = [] if batch_only else [*self._compiles, *self._scorer]
+        for req in [*self._held, *before, *self._running.values()]:
             self._abandon(req, RequestStatus.FAILED, error, error_type, out)
 
     def _expire(self, out: StepResult) -> None:
@@ -609,6 +664,8 @@ class Engine:
         if req.status.ended:
             return
         self._held.drop(req)
+        self._compiles.drop(req)
+        self._scorer.drop(req)
         if req.uid is not None:
             try:
                 self.gen.remove([req.uid])
@@ -661,15 +718,6 @@ class Engine:
             "freed_bytes": int(r.freed_bytes),
             "freed_entries": int(r.freed_entries),
         }
-
-
-def _can_start_from(req: Request, mate: Request) -> bool:
-    """Whether req may start from mate's prompt: it decodes (max_tokens 0 ends at its start),
-    and it wants no prompt logprobs or mate has the same ones (group-mates ask alike; a mate
-    without them leaves req to score its own)."""
-    want = req.spec.prompt_logprobs
-    same = want is None or (mate.prompt_logprobs is not None and mate.spec.prompt_logprobs == want)
-    return req.spec.max_tokens > 0 and same
 
 
 def _describe(exc: BaseException) -> str:

@@ -1,13 +1,14 @@
 """Structured outputs while decoding: a request's grammar (`GenerationRequest.grammar`, which
 router/structured_output.py compiled from its `response_format`) as one more logits processor.
 
-`GrammarConstraint` holds the sequence's llguidance `LLMatcher`. Each call consumes the
-sequence's newest generated token(s) (the tokens past its prompt that it has not consumed yet;
-prompt tokens never reach the matcher), then sets every token the grammar does not allow next
-to -inf. It is the sequence's LAST processor (after the penalties and logit_bias, see
-worker/engine/sampling.py), so whatever the bias adds, a disallowed token stays at -inf and
-cannot be sampled at any temperature or truncation; logprobs (the log-softmax after the
-processors) are those of the constrained distribution. Once the grammar is complete the
+`GrammarConstraint` holds the sequence's llguidance `LLMatcher`, a copy of the one its grammar
+compiled to (worker/engine/grammar_compile.py compiles each grammar once, off the loop). Each
+call consumes the sequence's newest generated token(s) (the tokens past its prompt that it has
+not consumed yet; prompt tokens never reach the matcher), then sets every token the grammar
+does not allow next to -inf. It is the sequence's LAST processor (after the penalties and
+logit_bias, see worker/engine/sampling.py), so whatever the bias adds, a disallowed token stays
+at -inf and cannot be sampled at any temperature or truncation; logprobs (the log-softmax after
+the processors) are those of the constrained distribution. Once the grammar is complete the
 matcher allows only the model's EOS tokens, which end the sequence with finish_reason "stop".
 
 A token the matcher rejects (it can only be sampled past the mask: a NaN row, a grammar that
@@ -31,7 +32,7 @@ from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 from llguidance.hf import from_tokenizer
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
-from shared.wire import GRAMMAR_LIMITS, GenerationRequest
+from shared.wire import GRAMMAR_LIMITS
 
 # The longest llguidance message an error event quotes (its parser-state dump is pages).
 MAX_ERROR_CHARS = 300
@@ -43,9 +44,9 @@ class GrammarError(ValueError):
 
 class GrammarTokenizer:
     """llguidance's view of the worker's tokenizer, with the model's EOS tokens (the ones the
-    engine stops on), built on the first constrained request (slow for a large
-    vocabulary) and kept for the worker's life. Its vocabulary is at least the model's, so
-    every logit has a bit in the mask."""
+    engine stops on), built by the first grammar compile (slow for a large vocabulary, so off
+    the loop: worker/engine/grammar_compile.py) and kept for the worker's life. Its vocabulary
+    is at least the model's, so every logit has a bit in the mask."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
         self._hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's wrapper holds it
@@ -59,24 +60,24 @@ class GrammarTokenizer:
             self._ll = from_tokenizer(self._hf, n_vocab=n_vocab, eos_token=self.eos_token_ids)
         return self._ll
 
-    def constraint(self, spec: GenerationRequest) -> GrammarConstraint:
-        """The request's constraint; GrammarError when its grammar does not compile."""
-        if spec.grammar is None:
-            raise GrammarError("the request carries no grammar")
-        return GrammarConstraint(self.get(), spec.grammar, len(spec.prompt_tokens), self.vocab_size)
+    def compile(self, grammar: str) -> LLMatcher:
+        """A matcher of `grammar` in its start state; GrammarError when it does not compile.
+        llguidance drops the GIL while it builds one, so this may run in another thread."""
+        matcher = LLMatcher(
+            self.get(), grammar, log_level=0, limits=LLParserLimits(**GRAMMAR_LIMITS)
+        )
+        if matcher.is_error():
+            raise GrammarError(f"the grammar does not compile: {_clip(matcher.get_error())}")
+        return matcher
 
 
 class GrammarConstraint:
     """One sequence's grammar, as a logits processor `(tokens, logits) -> logits`."""
 
     def __init__(
-        self, tokenizer: LLTokenizer, grammar: str, prompt_len: int, vocab_size: int
+        self, matcher: LLMatcher, tokenizer: LLTokenizer, prompt_len: int, vocab_size: int
     ) -> None:
-        self.matcher = LLMatcher(
-            tokenizer, grammar, log_level=0, limits=LLParserLimits(**GRAMMAR_LIMITS)
-        )
-        if self.matcher.is_error():
-            raise GrammarError(f"the grammar does not compile: {_clip(self.matcher.get_error())}")
+        self.matcher = matcher  # this sequence's own (a copy of its grammar's compiled one)
         self.prompt_len = prompt_len
         self.vocab_size = vocab_size
         self.consumed = 0  # generated tokens the matcher has taken

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared.wire import GenerationRequest
 from worker.engine.grammar import GrammarConstraint
@@ -18,9 +18,14 @@ from worker.engine.text_stream import TextStream
 from worker.prompt_cache.block_pool import CacheLease
 from worker.prompt_cache.keys import CacheNamespace
 
+if TYPE_CHECKING:
+    from worker.engine.scoring import PromptScore
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # held until a group-mate has computed the prompt they share
+    COMPILING = "compiling"  # waiting for its grammar's matcher (compiled off the loop)
+    SCORING = "scoring"  # computing its prompt's logprobs, a chunk a step, outside the batch
     PREFILLING = "prefilling"  # in the batch with prompt tokens still to compute
     DECODING = "decoding"  # sampling tokens
     FINISHED = "finished"  # ended by a stop condition or its token budget
@@ -66,6 +71,7 @@ class Request:
     prompt_ready: bool = False
     waiting_on: Request | None = None  # WAITING: the group-mate computing the shared prompt
     prompt_logprobs: list[Any] | None = None  # its prompt's logprob entries, when it asked
+    scoring: PromptScore | None = None  # SCORING: its scoring pass so far
 
     @property
     def id(self) -> str:

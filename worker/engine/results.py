@@ -14,6 +14,24 @@ from shared.wire import StreamEvent
 from worker.engine.request import Request, RequestStatus
 
 
+@dataclass
+class EngineCounters:
+    """The engine's own counters, drained into every StepResult, like the prompt cache's."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    batch_prefill_tokens: int = 0
+    batch_decode_tokens: int = 0
+    batch_decode_steps: int = 0
+
+    def take(self) -> dict[str, int]:
+        out = {k: v for k, v in vars(self).items() if v}
+        for k in out:
+            setattr(self, k, 0)
+        return out
+
+
 @dataclass(frozen=True)
 class Ended:
     """A request that left the engine; `request.status` is FINISHED, FAILED or CANCELLED."""

@@ -1,11 +1,12 @@
 """The choices of one prompt (`n` > 1, one `group` on the wire) compute it once.
 
-The first of a group to arrive prefills the prompt as any request does; a group-mate that
-arrives while it does is held (`Holds`), and once the first's KV covers the prompt but its last
-token, each held mate starts from its own copy of that KV (`prompt_kv_copies`), with only the
-last prompt token left to run (batched with the others, as a decode step is), and samples with
-its own sampler. A mate that arrives after that starts from a copy at once. Nothing here touches
-the prompt cache: a copy works whatever its mode, disabled or below its minimum prefix.
+The first of a group to arrive prefills the prompt as any request does (or scores it, when they
+ask for prompt logprobs); a group-mate that arrives while it does is held (`Holds`), and once
+the first's KV covers the prompt but its last token, each held mate starts from its own copy of
+that KV (`prompt_kv_copies`), with only the last prompt token left to run (batched with the
+others, as a decode step is), and samples with its own sampler. A mate that arrives after that
+starts from a copy at once. Nothing here touches the prompt cache: a copy works whatever its
+mode, disabled or below its minimum prefix.
 """
 
 from __future__ import annotations
@@ -57,22 +58,30 @@ def can_share(model: Any) -> bool:
     return all(type(c) is KVCache for c in make_prompt_cache(model))
 
 
-def group_mate(req: Request, running: Iterable[Request]) -> Request | None:
-    """A request in the batch whose prompt KV `req` can start from: of its group, with the
-    same prompt in the same cache namespace; one whose prefill is done first, else one still
-    prefilling (req waits for it). None: req computes its prompt itself."""
+def group_mate(req: Request, computing: Iterable[Request]) -> Request | None:
+    """A request computing its prompt (in the batch, or scoring it) whose prompt KV `req` can
+    start from: of its group, with the same prompt in the same cache namespace; one whose
+    prefill is done first, else one still computing it (req waits for it). None: req computes
+    its prompt itself."""
     spec = req.spec
     if not spec.group or len(spec.prompt_tokens) < 2:
         return None
     mates = [
         r
-        for r in running
+        for r in computing
         if r.spec.group == spec.group
-        and r.uid is not None
         and r.namespace == req.namespace
         and r.spec.prompt_tokens == spec.prompt_tokens
     ]
     return next((r for r in mates if r.prompt_ready), mates[0] if mates else None)
+
+
+def can_start_from(req: Request, mate: Request) -> bool:
+    """Whether req may start from mate's prompt: it decodes (max_tokens 0 ends at its start),
+    and it wants no prompt logprobs or mate scores the same ones (group-mates ask alike; a mate
+    without them leaves req to score its own)."""
+    want = req.spec.prompt_logprobs
+    return req.spec.max_tokens > 0 and (want is None or mate.spec.prompt_logprobs == want)
 
 
 def prompt_kv_copies(layers: list[Any], n_tokens: int, count: int) -> list[list[Any]] | None:
