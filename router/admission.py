@@ -19,7 +19,13 @@ from typing import Any
 from router.errors import APIError
 from router.openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest
 from router.structured_output import FormatError, forced_call_grammar, grammar_for
-from router.tokenization import RESERVED_TEMPLATE_KWARGS, ChatTemplateError, PromptTokenizer
+from router.tokenization import (
+    MAX_CHARS_PER_TOKEN,
+    RESERVED_TEMPLATE_KWARGS,
+    ChatTemplateError,
+    PromptTokenizer,
+    PromptTooLong,
+)
 from shared.wire import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
@@ -30,11 +36,13 @@ from shared.wire import (
 # OpenAI allows 4; the bound keeps the worker's per-step stop matching small.
 MAX_STOP_SEQUENCES = 16
 
+__all__ = [
+    "MAX_CHARS_PER_TOKEN"
+]  # the general characters-per-token bound, defined with the tokenizer
 
-# A text longer than this many characters per token of context cannot fit, whatever it
-# tokenizes to (no tokenizer's tokens are this long on average): refused before tokenizing.
-MAX_CHARS_PER_TOKEN = 64
 MAX_MESSAGES = 2048
+# The most characters of a client's string (a model name) quoted back in an error message.
+MAX_QUOTED_CHARS = 200
 # Choices one request may ask for: n per prompt, times the prompts of a completions list. Each
 # choice is its own sequence in a worker's batch (and its own reservation at admission); the
 # choices of one prompt are placed together and share its prefill.
@@ -100,11 +108,19 @@ def _invalid(message: str, param: str | None = None) -> _Refused:
     return _Refused(Outcome.INVALID, message, param)
 
 
+def quoted(text: str, limit: int = MAX_QUOTED_CHARS) -> str:
+    """A client's string for an error message: whole when short, else its first `limit`
+    characters, an ellipsis and its length (an error never echoes megabytes)."""
+    if len(text) <= limit:
+        return f"'{text}'"
+    return f"'{text[:limit]}...' ({len(text)} characters)"
+
+
 def _check_common(body: CompletionRequest | ChatCompletionRequest, ctx: AdmissionContext) -> None:
     if body.model is not None and body.model != ctx.model_id:
         raise _Refused(
             Outcome.UNKNOWN_MODEL,
-            f"The model '{body.model}' does not exist; this pool serves '{ctx.model_id}'.",
+            f"The model {quoted(body.model)} does not exist; this pool serves '{ctx.model_id}'.",
             "model",
         )
     if body.n is not None and not 1 <= body.n <= MAX_CHOICES:
@@ -296,17 +312,24 @@ def _choices(first: GenerationRequest, n: int) -> list[GenerationRequest]:
     return out
 
 
-def _fits_before_tokenizing(chars: int, param: str, tok: PromptTokenizer) -> None:
+def _fits_before_tokenizing(
+    chars: int, param: str, tok: PromptTokenizer, limit: int | None = None
+) -> None:
     """Refuse text that cannot fit the context whatever it tokenizes to, so megabytes are never
-    tokenized only to be refused."""
-    limit = tok.context_length * MAX_CHARS_PER_TOKEN
+    tokenized only to be refused: `limit` characters, by default the tokenizer's own bound
+    (context length times the most characters one of its tokens covers)."""
+    limit = tok.max_chars if limit is None else limit
     if chars > limit:
-        raise _Refused(
-            Outcome.CONTEXT_EXCEEDED,
-            f"'{param}' is {chars} characters: it cannot fit this model's context of "
-            f"{tok.context_length} tokens (at most {limit} characters).",
-            param,
-        )
+        raise _too_long(chars, param, tok, limit)
+
+
+def _too_long(chars: int, param: str, tok: PromptTokenizer, limit: int) -> _Refused:
+    return _Refused(
+        Outcome.CONTEXT_EXCEEDED,
+        f"'{param}' is {chars} characters: it cannot fit this model's context of "
+        f"{tok.context_length} tokens (at most {limit} characters).",
+        param,
+    )
 
 
 def _template_message(i: int, m: ChatMessage) -> dict[str, Any]:
@@ -363,7 +386,7 @@ def _forced_call(
     try:
         return forced_call_grammar(tools, name, tok.tool_parser(body.chat_template), tok)
     except FormatError as exc:
-        raise _invalid(str(exc), "tool_choice") from exc
+        raise _invalid(str(exc), exc.param or "tool_choice") from exc
 
 
 def chat_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
@@ -417,11 +440,15 @@ def _chat_tokens(body: ChatCompletionRequest, ctx: AdmissionContext) -> tuple[li
     chars = sum(len(m["content"]) for m in messages) + sum(
         len(json.dumps(t, ensure_ascii=False)) for t in tools or []
     )
-    _fits_before_tokenizing(chars, "messages", tok)
+    # The general bound before rendering (a template may leave some content out), the
+    # tokenizer's own on the rendered text, before it is encoded (encode_chat).
+    _fits_before_tokenizing(chars, "messages", tok, tok.context_length * MAX_CHARS_PER_TOKEN)
     try:
         tokens, signature = tok.encode_chat(messages, body.chat_template, tools, kwargs)
     except ChatTemplateError as exc:
         raise _invalid(str(exc), "chat_template") from exc
+    except PromptTooLong as exc:
+        raise _too_long(exc.chars, "messages", tok, exc.limit) from exc
     if not tokens:
         raise _invalid("The chat template rendered an empty prompt.", "messages")
     return tokens, signature

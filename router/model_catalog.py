@@ -17,7 +17,7 @@ from pathlib import Path
 
 import redis
 
-from router.admission import AdmissionContext
+from router.admission import AdmissionContext, quoted
 from router.tokenization import TokenizerLoadError, load_tokenizer
 from shared import keys
 from shared.block_hash import BlockHasher, canary
@@ -109,6 +109,13 @@ class ModelCatalog:
         log.info("serving model %r too (a live worker loaded it from %s)", live.model_id,
                  live.model_dir)  # fmt: skip
         return replace(self.primary, model_id=live.model_id, tokenizer=tokenizer)
+
+
+def unknown_model_message(model: str, served: list[str]) -> str:
+    """The 404's message for a model this pool does not serve: the name quoted at most
+    MAX_QUOTED_CHARS long (with its length past that), then the models it does serve."""
+    names = ", ".join(f"'{m}'" for m in served)
+    return f"The model {quoted(model)} does not exist; this pool serves {names}."
 
 
 def _mtime(path: str) -> int:

@@ -10,10 +10,13 @@ grammar that compiled at the router.
 
 `grammar_for` returns the grammar string `GenerationRequest.grammar` carries, or raises
 `FormatError` (a 400 naming `response_format`): a malformed format, an unknown type, a schema,
-regex or grammar llguidance refuses, or one past `MAX_GRAMMAR_BYTES`. The worker enforces it
-while decoding (worker/engine/grammar.py). JSON is compact (no whitespace between tokens)
-unless a schema's own `x-guidance` options say otherwise: with flexible whitespace a model can
-pad forever, and a bounded schema would no longer bound the output.
+regex or grammar past a bound of shared/schema_limits.py (checked before llguidance sees it: past
+them its compiler overflows the native stack), past `MAX_GRAMMAR_BYTES`, or one llguidance
+refuses. llguidance's check against the tokenizer runs in a helper process
+(router/grammar_sandbox.py), so a grammar that still crashes it costs only its own request. The
+worker enforces it while decoding (worker/engine/grammar.py). JSON is compact (no whitespace
+between tokens) unless a schema's own `x-guidance` options say otherwise: with flexible
+whitespace a model can pad forever, and a bounded schema would no longer bound the output.
 
 Imports llguidance (no mlx): its compiler and validator are plain Rust behind Python.
 """
@@ -23,24 +26,39 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from llguidance import LLMatcher, LLParserLimits
+from llguidance import LLMatcher
 
+from router.grammar_sandbox import (
+    CallFailed,
+    HelperCrashed,
+    HelperTimeout,
+    SetupFailed,
+    load_tokenizer,
+    sandbox,
+    validate_grammar,
+)
 from router.tokenization import PromptTokenizer
+from shared.schema_limits import SchemaLimitError, check_lark, check_pattern, check_schema
 from shared.wire import GRAMMAR_LIMITS, MAX_GRAMMAR_BYTES
 
 PARAM = "response_format"
 TYPES = ("text", "json_object", "json_schema", "regex", "grammar")
 # llguidance's JSON compile options, before a schema's own `x-guidance`: compact JSON.
 JSON_DEFAULTS = {"whitespace_flexible": False}
-# The worker's limits; errors without the parser's state dump (the client's own schema, but
-# pages of it).
-_LIMITS = LLParserLimits(**GRAMMAR_LIMITS, verbose_errors=False)
+# The worker's limits (LLParserLimits keywords, sent to the helper); errors without the parser's
+# state dump (the client's own schema, but pages of it).
+_LIMITS: dict[str, Any] = {**GRAMMAR_LIMITS, "verbose_errors": False}
 # The longest llguidance message quoted back to the client.
 MAX_MESSAGE_CHARS = 400
 
 
 class FormatError(ValueError):
-    """A response_format this pool cannot enforce; the message is for the client."""
+    """A response_format this pool cannot enforce; the message is for the client, `param` the
+    request field it names when not the caller's own (a tool's parameters: "tools")."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def grammar_for(fmt: dict[str, Any] | None, tokenizer: PromptTokenizer) -> str | None:
@@ -65,6 +83,7 @@ def grammar_for(fmt: dict[str, Any] | None, tokenizer: PromptTokenizer) -> str |
 
 def _compile(kind: str, fmt: dict[str, Any]) -> str:
     try:
+        _check_limits(kind, fmt)
         if kind == "json_object":
             return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
         if kind == "json_schema":
@@ -75,8 +94,23 @@ def _compile(kind: str, fmt: dict[str, Any]) -> str:
         return LLMatcher.grammar_from_lark(text)
     except FormatError:
         raise
+    except SchemaLimitError as exc:
+        raise FormatError(str(exc)) from exc
     except Exception as exc:  # llguidance's own ValueErrors, a schema json cannot write, ...
         raise FormatError(f"'response_format' cannot be compiled: {_short(exc)}") from exc
+
+
+def _check_limits(kind: str, fmt: dict[str, Any]) -> None:
+    """shared/schema_limits.py's bounds on what llguidance will compile (SchemaLimitError)."""
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if isinstance(schema, dict):
+            check_schema(schema, "'response_format.json_schema.schema'")
+    elif kind == "regex" and isinstance(fmt.get("regex"), str):
+        check_pattern(fmt["regex"], "'response_format.regex'")
+    elif kind == "grammar" and isinstance(fmt.get("grammar"), str):
+        check_lark(fmt["grammar"], "'response_format.grammar'")
 
 
 def _schema_text(fmt: dict[str, Any]) -> str:
@@ -107,17 +141,28 @@ def _source(fmt: dict[str, Any], kind: str) -> str:
 
 
 def _validate(grammar: str, tokenizer: PromptTokenizer, what: str = f"'{PARAM}'") -> None:
+    """llguidance's check of `grammar` against the model's tokenizer, in a helper process."""
+    key = tokenizer.grammar_key
+
+    def setup() -> tuple[Any, tuple[Any, ...]]:
+        return load_tokenizer, (key, *tokenizer.grammar_spec())
+
     try:
-        ll_tokenizer = tokenizer.grammar_tokenizer()
-    except Exception as exc:  # not a fast tokenizer, a vocabulary llguidance cannot read
+        is_error, messages = sandbox().call(
+            validate_grammar, key, grammar, _LIMITS, key=key, setup=setup
+        )
+    except (SetupFailed, ValueError) as exc:  # not a fast tokenizer, a vocabulary it cannot read
         raise FormatError(
             f"{what} is not available for this model's tokenizer: {_short(exc)}"
         ) from exc
-    try:
-        is_error, messages = LLMatcher.validate_grammar_with_warnings(
-            grammar, ll_tokenizer, limits=_LIMITS
-        )
-    except Exception as exc:  # llguidance answers with a message; this is belt and braces
+    except HelperCrashed as exc:
+        raise FormatError(
+            f"{what} cannot be enforced: the grammar compiler crashed on it ({exc}); "
+            "simplify the schema or grammar (fewer or shallower $refs, definitions or rules)."
+        ) from exc
+    except HelperTimeout as exc:
+        raise FormatError(f"{what} cannot be enforced: {exc}.") from exc
+    except CallFailed as exc:  # llguidance answers with a message; this is belt and braces
         is_error, messages = True, [_short(exc)]
     if is_error:
         detail = _clip(messages[0]) if messages else "rejected by llguidance"
@@ -135,7 +180,15 @@ def forced_call_grammar(
     """A grammar under which the model writes exactly one call, in the template's tool-call
     format (`parser`: router.tool_calls.ToolParser), of the function `name` (None: any of
     `tools`), its arguments valid against that function's parameters. FormatError when the
-    format is not one a grammar can write or a parameter schema does not compile."""
+    format is not one a grammar can write or a parameter schema does not compile; one past a
+    bound of shared/schema_limits.py names "tools"."""
+    for i, tool in enumerate(tools):
+        params = tool["function"].get("parameters")
+        try:
+            if isinstance(params, dict):
+                check_schema(params, f"'tools[{i}].function.parameters'")
+        except SchemaLimitError as exc:
+            raise FormatError(str(exc), "tools") from exc
     if parser is None or parser.name not in JSON_CALL_FORMATS:
         known = parser.name if parser is not None else "none"
         raise FormatError(

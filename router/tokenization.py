@@ -6,18 +6,20 @@ directory, local files only: the router never reaches the network and never impo
 
 from __future__ import annotations
 
+import copy
 import inspect
+import json
 import logging
 import queue
 import threading
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llguidance.hf import from_tokenizer
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from router.tool_calls import ToolParser, infer_parser_name, load_parser
 from shared.block_hash import template_signature
@@ -34,24 +36,62 @@ class ChatTemplateError(ValueError):
     """A chat template (the model's or the request's) failed to render."""
 
 
+class PromptTooLong(ValueError):
+    """A rendered prompt longer than any text that fits the context (refused unencoded)."""
+
+    def __init__(self, chars: int, limit: int) -> None:
+        super().__init__(f"{chars} characters, more than {limit}")
+        self.chars = chars
+        self.limit = limit
+
+
+# A text longer than this many characters per token of context cannot fit, whatever it
+# tokenizes to (no tokenizer's tokens are this long on average): refused before tokenizing. A
+# tokenizer whose every token is known to cover fewer characters gets its own, tighter bound
+# (`chars_per_token_bound`).
+MAX_CHARS_PER_TOKEN = 64
+# The tightest per-tokenizer bound: well above any real text's characters per token.
+MIN_CHARS_PER_TOKEN = 16
+# Texts longer than this (characters) are tokenized on the copies of the large lane only.
+LARGE_TEXT_CHARS = 16_384
+
+
 class TokenizerPool:
     """Copies of one HF tokenizer, each used by one thread at a time (a fast tokenizer fails
-    with "Already borrowed" when shared across threads): a long tokenization holds one copy
-    while other requests on the same process use the rest."""
+    with "Already borrowed" when shared across threads), in two lanes: a text past
+    LARGE_TEXT_CHARS takes only a copy of the large lane (a quarter of them, at least one) and
+    waits for one, a shorter text takes any free copy, its own lane's first; so however many
+    long prompts arrive together, the small lane's copies stay free for the short ones. With one
+    copy both lanes share it."""
 
     def __init__(self, copies: list[Any]) -> None:
         self.first = copies[0]
-        self._free: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        for hf in copies:
-            self._free.put(hf)
+        self._small: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._large: queue.SimpleQueue[Any] = (
+            queue.SimpleQueue() if len(copies) > 1 else self._small
+        )
+        large = max(1, len(copies) // 4) if len(copies) > 1 else 0
+        for i, hf in enumerate(copies):
+            (self._large if i < large else self._small).put(hf)
 
     @contextmanager
-    def borrow(self) -> Iterator[Any]:
-        hf = self._free.get()
+    def borrow(self, chars: int = 0) -> Iterator[Any]:
+        """A copy for a text of `chars` characters, given back to the lane it came from."""
+        lane, hf = self._take(chars > LARGE_TEXT_CHARS)
         try:
             yield hf
         finally:
-            self._free.put(hf)
+            lane.put(hf)
+
+    def _take(self, large: bool) -> tuple[queue.SimpleQueue[Any], Any]:
+        if large:
+            return self._large, self._large.get()
+        for lane in (self._small, self._large):
+            try:
+                return lane, lane.get_nowait()
+            except queue.Empty:
+                pass
+        return self._small, self._small.get()
 
 
 @dataclass
@@ -60,8 +100,13 @@ class PromptTokenizer:
     context_length: int
     vocab_size: int
     default_template: str | None
-    # llguidance's view of this tokenizer (router.structured_output), built on first use.
+    # A text longer than context_length times this cannot fit (load_tokenizer sets it).
+    max_chars_per_token: int = MAX_CHARS_PER_TOKEN
+    # Names this tokenizer to the grammar helpers (router.grammar_sandbox), which hold its view.
+    grammar_key: str = field(default_factory=lambda: uuid.uuid4().hex, compare=False)
+    # llguidance's view of this tokenizer as its parts (router.structured_output), built once.
     _grammar_view: Any = field(default=None, init=False, repr=False, compare=False)
+    _ll_tokenizer: Any = field(default=None, init=False, repr=False, compare=False)
     _grammar_lock: threading.Lock = field(
         default_factory=threading.Lock, init=False, repr=False, compare=False
     )
@@ -71,9 +116,14 @@ class PromptTokenizer:
         """One copy, for reading its fixed attributes (never to encode: borrow one for that)."""
         return self.pool.first
 
+    @property
+    def max_chars(self) -> int:
+        """The longest text (characters) whose tokens can fit the context."""
+        return self.context_length * self.max_chars_per_token
+
     def encode(self, text: str) -> list[int]:
         """Completions: the text as the model's tokenizer encodes it (special tokens included)."""
-        with self.pool.borrow() as hf:
+        with self.pool.borrow(len(text)) as hf:
             return list(hf.encode(text))
 
     def decode(self, tokens: list[int]) -> str:
@@ -90,7 +140,8 @@ class PromptTokenizer:
     ) -> tuple[list[int], str]:
         """Chat: render the template (the request's, else the model's) with `tools` and the
         request's extra template variables, then encode the text without adding special tokens
-        again (the template writes them). Returns (ids, signature).
+        again (the template writes them). Returns (ids, signature); PromptTooLong, before
+        encoding, when the rendered text is longer than `max_chars`.
 
         A `developer` message (OpenAI's newer name for system) keeps its role when the template
         names that role, and is rendered as `system` otherwise."""
@@ -113,18 +164,42 @@ class PromptTokenizer:
                 )
             except Exception as exc:  # jinja2 errors of any kind: a bad template is bad input
                 raise ChatTemplateError(f"chat template failed to render: {exc}") from exc
+        if len(text) > self.max_chars:
+            raise PromptTooLong(len(text), self.max_chars)
+        with self.pool.borrow(len(text)) as hf:
             ids = list(hf.encode(text, add_special_tokens=False))
         return ids, template_signature(used)
 
-    def grammar_tokenizer(self) -> Any:
-        """llguidance's LLTokenizer over this tokenizer, which checks a response_format's grammar
-        (router.structured_output): built once, on the first request that needs it (slow for a
-        large vocabulary), then shared by every thread."""
+    def grammar_spec(self) -> tuple[str, int, Any]:
+        """llguidance's tokenizer as the parts llguidance.hf.from_tokenizer builds it from (the
+        tokenizer's JSON, the vocabulary size, the EOS id), which the grammar helpers load once
+        each (router.grammar_sandbox); built on the first request that needs it. ValueError: not
+        a fast tokenizer."""
         with self._grammar_lock:
-            if self._grammar_view is None:
-                with self.pool.borrow() as hf:
-                    self._grammar_view = from_tokenizer(hf, n_vocab=max(self.vocab_size, len(hf)))
-            return self._grammar_view
+            return self._spec_locked()
+
+    def _spec_locked(self) -> tuple[str, int, Any]:
+        if self._grammar_view is None:
+            with self.pool.borrow() as hf:
+                if not isinstance(hf, PreTrainedTokenizerFast):
+                    raise ValueError("only fast tokenizers are supported")
+                backend = copy.copy(hf.backend_tokenizer)
+                backend.no_padding()
+                backend.no_truncation()
+                n_vocab = max(self.vocab_size, len(hf))
+                self._grammar_view = (backend.to_str(), n_vocab, hf.eos_token_id)
+        return self._grammar_view
+
+    def grammar_tokenizer(self) -> Any:
+        """llguidance's LLTokenizer over this tokenizer, in this process (the router's checks
+        run in the grammar helpers: this is for reading a grammar here), built once."""
+        with self._grammar_lock:
+            if self._ll_tokenizer is None:
+                from llguidance import LLTokenizer
+
+                spec, n_vocab, eos = self._spec_locked()
+                self._ll_tokenizer = LLTokenizer(spec, n_vocab=n_vocab, eos_token=eos)
+            return self._ll_tokenizer
 
     def tool_parser(self, template: str | None = None) -> ToolParser | None:
         """mlx-lm's tool-call parser for the template that renders the prompt (the request's,
@@ -172,4 +247,55 @@ def load_tokenizer(model_dir: Path, copies: int = 1) -> PromptTokenizer:
         context_length=facts.context_length,
         vocab_size=facts.vocab_size or len(hf),
         default_template=template if isinstance(template, str) else None,
+        max_chars_per_token=chars_per_token_bound(hf),
     )
+
+
+# Normalizers and pre-tokenizers that can drop characters (so that a run of them becomes no
+# token at all), and tokenizer models that can cover an unknown span of any length with one
+# token: with any of them a tokenizer's characters per token have no bound but the general one.
+_DROPPING = frozenset({
+    "BertNormalizer", "StripAccents", "Strip", "Precompiled", "BertPreTokenizer", "Whitespace",
+    "WhitespaceSplit", "CharDelimiterSplit",
+})  # fmt: skip
+
+
+def chars_per_token_bound(hf: Any) -> int:
+    """Characters one token of `hf` can stand for, at most, with a margin: twice its longest
+    vocabulary entry (an entry is the token's bytes, or its characters, so at least the
+    characters it covers; twice for a normalizer's composing of several characters into one),
+    at least MIN_CHARS_PER_TOKEN. MAX_CHARS_PER_TOKEN where that does not hold: not a BPE
+    model, an unknown token that can fuse a run of characters, a normalizer or pre-tokenizer
+    that drops characters, an added token that absorbs the whitespace beside it."""
+    try:
+        spec = json.loads(hf.backend_tokenizer.to_str())
+        model = spec["model"]
+        if model.get("type") != "BPE":
+            return MAX_CHARS_PER_TOKEN
+        if model.get("unk_token") and model.get("fuse_unk") and not model.get("byte_fallback"):
+            return MAX_CHARS_PER_TOKEN
+        if _drops_characters(spec.get("normalizer")) or _drops_characters(
+            spec.get("pre_tokenizer")
+        ):
+            return MAX_CHARS_PER_TOKEN
+        if any(t.get("lstrip") or t.get("rstrip") for t in spec.get("added_tokens") or []):
+            return MAX_CHARS_PER_TOKEN
+        longest = max((len(t) for t in hf.get_vocab()), default=MAX_CHARS_PER_TOKEN)
+    except Exception:  # a slow tokenizer, a backend of another shape: the general bound
+        return MAX_CHARS_PER_TOKEN
+    return min(MAX_CHARS_PER_TOKEN, max(MIN_CHARS_PER_TOKEN, 2 * longest))
+
+
+def _drops_characters(component: Any) -> bool:
+    stack = [component]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            if node.get("type") in _DROPPING or node.get("behavior") == "Removed":
+                return True
+            if node.get("type") == "Replace" and not node.get("content"):
+                return True
+            stack.extend(v for v in node.values() if isinstance(v, dict | list))
+    return False

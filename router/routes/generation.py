@@ -23,6 +23,7 @@ from router.busy_gate import busy_error
 from router.dispatch import TIMEOUT, WORKER_LOST
 from router.errors import APIError
 from router.logprobs import LogprobRenderer, TokenLogprob, from_event, token_table
+from router.model_catalog import unknown_model_message
 from router.openai_types import ResponseFormat, Usage
 from router.routing_metrics import observe_placement
 from router.state import RouterState
@@ -243,10 +244,8 @@ async def admit_and_submit(
         except (TokenizerLoadError, CanaryMismatch) as exc:  # its workers', not the caller's
             return Admission(Outcome.NO_WORKER, message=f"The pool cannot serve '{model}': {exc}")
         if ctx is None:
-            served = ", ".join(f"'{m}'" for m in state.catalog.served())
-            return Admission(Outcome.UNKNOWN_MODEL, param="model",
-                             message=f"The model '{model}' does not exist; this pool serves "
-                                     f"{served}.")  # fmt: skip
+            message = unknown_model_message(model, state.catalog.served())
+            return Admission(Outcome.UNKNOWN_MODEL, param="model", message=message)
         admission = admit(body, ctx)
         req = admission.request
         if admission.outcome is not Outcome.ADMIT or req is None:

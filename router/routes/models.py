@@ -8,6 +8,7 @@ from typing import Any
 import anyio
 from fastapi import APIRouter
 
+from router.admission import quoted
 from router.errors import APIError
 from router.state import RouterState, StateDep
 
@@ -36,5 +37,5 @@ async def get_model(model_id: str, state: StateDep) -> dict[str, Any]:
     for model in await anyio.to_thread.run_sync(_served, state):
         if model["id"] == model_id:
             return model
-    raise APIError(404, f"The model '{model_id}' does not exist.", "invalid_request_error",
+    raise APIError(404, f"The model {quoted(model_id)} does not exist.", "invalid_request_error",
                    "model", "model_not_found")  # fmt: skip
