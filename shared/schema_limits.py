@@ -208,3 +208,23 @@ def _ref_depth(root: Any, anchors: dict[str, Any]) -> int:
             parent_best = stack[-1][2]
             parent_best[0] = max(parent_best[0], done[id(node)])
     return done[id(root)]
+
+
+def check_grammar(grammar: str, where: str, limits: SchemaLimits = LIMITS) -> None:
+    """The same limits over an llguidance grammar text as the router hands it to a worker:
+    `{"grammars": [{"json_schema": ...} | {"lark_grammar": ...}]}` or plain Lark, so a job no
+    router validated (forged, or from an older router) cannot crash the compiler either."""
+    try:
+        parsed = json.loads(grammar)
+    except (ValueError, RecursionError):
+        parsed = None
+    if not isinstance(parsed, dict):
+        check_lark(grammar, where, limits)
+        return
+    for part in parsed.get("grammars") or []:
+        if not isinstance(part, dict):
+            continue
+        if isinstance(part.get("json_schema"), dict):
+            check_schema(part["json_schema"], where, limits)
+        if isinstance(part.get("lark_grammar"), str):
+            check_lark(part["lark_grammar"], where, limits)

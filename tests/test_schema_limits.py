@@ -161,3 +161,23 @@ def test_a_long_text_never_holds_the_small_lane() -> None:
     alone = TokenizerPool(["only"])
     with alone.borrow(LARGE_TEXT_CHARS + 1) as hf:
         assert hf == "only"
+
+
+def test_the_worker_checks_the_grammar_it_is_handed_before_compiling_it() -> None:
+    """A job no router validated (forged, or from an older router) carrying the $ref chain that
+    crashes llguidance fails as the caller's error before native code sees it."""
+    from llguidance import LLMatcher
+
+    from worker.engine.grammar import GrammarError, GrammarTokenizer
+
+    chain = {
+        "$defs": {**{f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(3000)},
+                  "d3000": {"type": "integer"}},
+        "$ref": "#/$defs/d0",
+    }  # fmt: skip
+    grammar = LLMatcher.grammar_from_json_schema(chain)
+    tokenizer = GrammarTokenizer(None, 8, frozenset())  # never built: the check comes first
+    with pytest.raises(GrammarError, match=r"\$ref"):
+        tokenizer.compile(grammar)
+    with pytest.raises(GrammarError, match="rules"):
+        tokenizer.compile("start: a\n" + "".join(f'r{i}: "x"\n' for i in range(600)))

@@ -32,10 +32,13 @@ from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 from llguidance.hf import from_tokenizer
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
+from shared.schema_limits import SchemaLimitError, check_grammar
 from shared.wire import GRAMMAR_LIMITS
 
 # The longest llguidance message an error event quotes (its parser-state dump is pages).
 MAX_ERROR_CHARS = 300
+# The worker cannot tell which request field a grammar came from.
+GRAMMAR_SOURCE = "The grammar of response_format or tool_choice"
 
 
 class GrammarError(ValueError):
@@ -63,6 +66,10 @@ class GrammarTokenizer:
     def compile(self, grammar: str) -> LLMatcher:
         """A matcher of `grammar` in its start state; GrammarError when it does not compile.
         llguidance drops the GIL while it builds one, so this may run in another thread."""
+        try:  # first: past these limits llguidance's native code can crash the process
+            check_grammar(grammar, GRAMMAR_SOURCE)
+        except SchemaLimitError as exc:
+            raise GrammarError(str(exc)) from exc
         matcher = LLMatcher(
             self.get(), grammar, log_level=0, limits=LLParserLimits(**GRAMMAR_LIMITS)
         )
