@@ -1,6 +1,10 @@
 """Chaos: two workers under steady load while a worker is SIGKILLed, another SIGTERMed (a drain
 and rolling restart), Redis paused 10 s (SIGSTOP/SIGCONT) and then SIGKILLed (the supervisor
-restarts it empty on the same port). Not in CI: it takes minutes and real signals.
+restarts it empty on the same port). Then requests that used to escape their own request
+(issue 19): a JSON schema whose $refs chain through 3,000 definitions (it crashed llguidance in
+the router), a prompt-logprob scoring pass over 16 prompts of 2,000 tokens, a 1,200-property
+schema for 4 prompts x n 16 (64 matchers), and a forged job whose data is not msgpack. Not in
+CI: it takes minutes and real signals.
 
 Every greedy answer is checked against the same prompt run alone through the pool before any
 fault: same text and completion_tokens, or a clean failure (HTTP 503 `redis_unavailable`, or a
@@ -10,7 +14,10 @@ workers with their current process ids and a probe request gets its reference an
 
 Goal (issue 10): 0 wrong answers, 0 hung requests (client timeout), 0 5xx other than the
 documented 503s, 0 `mlxcel:*` keys without a TTL beyond the documented ones (docs/redis-keys.md),
-and every fault cleared. Exits 0 either way (a benchmark); the verdict is the last line.
+and every fault cleared. Goal (issue 19), for the request faults: 0 other requests failed, 0
+false deaths (no worker restarted, no `worker_lost`), 0 requests run twice (no `<id>-1` job),
+and the longest pause between two chunks of another stream reported (at most one prefill chunk).
+Exits 0 either way (a benchmark); the verdict is the last lines.
 
     flock /tmp/mlxcel-bench.lock .venv/bin/python bench/bench_chaos.py [--quick]
         [--clients 6] [--work-dir DIR (kept: the pool's logs)] [--seed 0]
@@ -102,6 +109,7 @@ class Reply:
     tokens: int | None = None
     error: dict[str, Any] | None = None  # an error body, or a streamed error chunk
     done: bool = False  # a stream's [DONE], or a JSON body
+    max_gap: float = 0.0  # a stream's longest wait between two content chunks, seconds
 
 
 @dataclass
@@ -112,6 +120,7 @@ class Outcome:
     stream: bool
     kind: str
     why: str = ""  # the clean failure's kind, or what went wrong
+    max_gap: float = 0.0
 
 
 # --- one request -------------------------------------------------------------------------------
@@ -128,6 +137,7 @@ def _body(model: str, ref: Ref | tuple[str, int], stream: bool) -> dict[str, Any
 
 async def _read_sse(resp: aiohttp.ClientResponse) -> Reply:
     reply = Reply(resp.status)
+    last: float | None = None
     async for line in resp.content:
         if not line.startswith(b"data: "):
             continue
@@ -140,6 +150,10 @@ async def _read_sse(resp: aiohttp.ClientResponse) -> Reply:
             reply.error = chunk["error"]
         for choice in chunk.get("choices") or []:
             reply.text += choice.get("text") or ""
+        now = time.perf_counter()
+        if last is not None:
+            reply.max_gap = max(reply.max_gap, now - last)
+        last = now
         if chunk.get("usage"):
             reply.tokens = int(chunk["usage"]["completion_tokens"])
     return reply
@@ -301,6 +315,99 @@ class FaultResult:
     injected: float
     ended: float  # when the fault itself was over (SIGCONT for the pause; else = injected)
     cleared: float | None
+    request: bool = False  # a request fault: its own answer is in `answer`
+    answer: str = ""
+
+
+REF_CHAIN = 3000  # definitions in the $ref chain (llguidance crashed past ~2,520)
+SCORED_PROMPTS, SCORED_TOKENS = 16, 2000
+BIG_SCHEMA_PROPERTIES, BIG_SCHEMA_PROMPTS, BIG_SCHEMA_N = 1200, 4, 16
+
+
+def _ref_chain_body(model: str) -> dict[str, Any]:
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(REF_CHAIN)}
+    defs[f"d{REF_CHAIN}"] = {"type": "integer"}
+    schema = {"$defs": defs, "$ref": "#/$defs/d0"}
+    return {"model": model, "prompt": "x", "max_tokens": 4, "response_format": _format(schema)}
+
+
+def _format(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+def _scoring_body(model: str) -> dict[str, Any]:
+    prompts = [
+        [5 + (i * 7 + j * 13) % 900 for j in range(SCORED_TOKENS)] for i in range(SCORED_PROMPTS)
+    ]
+    return {"model": model, "prompt": prompts, "max_tokens": 1, "echo": True, "logprobs": 5}
+
+
+def _big_schema_body(model: str) -> dict[str, Any]:
+    props = {f"p{i}": {"type": "integer"} for i in range(BIG_SCHEMA_PROPERTIES)}
+    schema = {"type": "object", "properties": props}
+    prompts = [f"Record {i}:" for i in range(BIG_SCHEMA_PROMPTS)]
+    return {
+        "model": model,
+        "prompt": prompts,
+        "n": BIG_SCHEMA_N,
+        "max_tokens": 8,
+        "temperature": 0,
+        "response_format": _format(schema),
+    }
+
+
+def _forge_job(url: str, model: str) -> str:
+    """A job hash no router would write (its data is not msgpack), pushed onto the model's
+    queue as a forger with the Redis password would: it must fail alone."""
+    from shared import keys
+
+    r = redis.Redis.from_url(url, socket_timeout=5)
+    rid = f"forged-{os.urandom(6).hex()}"
+    queue = keys.model_queue_name(model)
+    now = time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime())
+    fields = {"data": b"\xc1\xff not msgpack", "status": "queued", "origin": queue}
+    r.hset(f"rq:job:{rid}", mapping={**fields, "created_at": now, "enqueued_at": now})
+    r.rpush(f"rq:queue:{queue}", rid)
+    return rid
+
+
+async def _post(http: aiohttp.ClientSession, body: dict[str, Any]) -> str:
+    try:
+        async with asyncio.timeout(HUNG_AFTER_S * 4):
+            async with http.post("/v1/completions", json=body) as resp:
+                text = await resp.text()
+                return f"{resp.status} {text[:120]!r}"
+    except TimeoutError:
+        return HUNG
+    except aiohttp.ClientError as exc:
+        return f"{type(exc).__name__}: {exc}"[:200]
+
+
+@dataclass(frozen=True)
+class RequestFault:
+    """A request (or a forged job) that must fail or finish alone, the pool serving on."""
+
+    name: str
+    send: Callable[[aiohttp.ClientSession, str, str], Awaitable[str]]
+
+
+def request_faults() -> list[RequestFault]:
+    async def forged(http: aiohttp.ClientSession, model: str, url: str) -> str:
+        return await asyncio.to_thread(_forge_job, url, model)
+
+    return [
+        RequestFault(f"$ref chain of {REF_CHAIN}", lambda h, m, u: _post(h, _ref_chain_body(m))),
+        RequestFault(
+            f"scoring {SCORED_PROMPTS} x {SCORED_TOKENS} tokens (echo, logprobs 5)",
+            lambda h, m, u: _post(h, _scoring_body(m)),
+        ),
+        RequestFault(
+            f"{BIG_SCHEMA_PROPERTIES}-property schema, {BIG_SCHEMA_PROMPTS} prompts x n "
+            f"{BIG_SCHEMA_N}",
+            lambda h, m, u: _post(h, _big_schema_body(m)),
+        ),
+        RequestFault("forged job (data not msgpack)", forged),
+    ]
 
 
 @dataclass(frozen=True)
@@ -337,6 +444,8 @@ class Run:
     stray_keys: set[str] = field(default_factory=set)
     probe_wrong: list[str] = field(default_factory=list)
     started: int = 0
+    restarted_in_request_faults: list[str] = field(default_factory=list)
+    ran_twice: int = 0  # `<id>-1` jobs: requests enqueued again after a (false) death
 
 
 async def references(http: aiohttp.ClientSession, model: str) -> list[Ref]:
@@ -362,7 +471,8 @@ async def client_loop(
         start = time.perf_counter()
         reply = await send(http, _body(model, prompts[i], stream), plan.request_timeout_s)
         kind, why = judge(reply, prompts[i])
-        run.outcomes.append(Outcome(start, time.perf_counter(), i, stream, kind, why))
+        gap = reply.max_gap if isinstance(reply, Reply) else 0.0
+        run.outcomes.append(Outcome(start, time.perf_counter(), i, stream, kind, why, gap))
         if kind != CORRECT:
             print(f"  [{start - run.t0:6.1f}s] {kind}: {why} (prompt {i}, "
                   f"{'streamed' if stream else 'not streamed'})", file=sys.stderr)  # fmt: skip
@@ -404,10 +514,36 @@ async def chaos(pool: Pool, plan: Plan, seed: int) -> Run:
             if cleared is None:
                 break  # the pool did not recover: later faults would measure nothing
             await asyncio.sleep(plan.gap_s)
+        if all(f.cleared for f in run.faults):
+            await request_phase(pool, http, model, run, plan)
         stop.set()
         await asyncio.gather(*loops)
     run.stray_keys |= await asyncio.to_thread(keys_without_ttl, pool.redis_url)
+    run.ran_twice = await asyncio.to_thread(_retried_jobs, pool.redis_url)
     return run
+
+
+async def request_phase(
+    pool: Pool, http: aiohttp.ClientSession, model: str, run: Run, plan: Plan
+) -> None:
+    """Each request fault beside the steady load; no worker may restart meanwhile."""
+    pids = {wid: pool.pid(wid) for wid in WORKERS}
+    for fault in request_faults():
+        injected = time.perf_counter()
+        print(f"  [{injected - run.t0:6.1f}s] {fault.name}", file=sys.stderr)
+        answer = await fault.send(http, model, pool.redis_url)
+        ended = time.perf_counter()
+        print(f"  [{ended - run.t0:6.1f}s] answered: {answer}", file=sys.stderr)
+        cleared = await wait_cleared(pool, http, model, run.refs[-1], {},
+                                     ended + plan.clear_timeout_s, run.probe_wrong)  # fmt: skip
+        run.faults.append(FaultResult(fault.name, injected, ended, cleared, True, answer))
+        await asyncio.sleep(plan.gap_s)
+    run.restarted_in_request_faults = [w for w in WORKERS if pool.pid(w) != pids[w]]
+
+
+def _retried_jobs(url: str) -> int:
+    r = redis.Redis.from_url(url, socket_timeout=5)
+    return sum(1 for k in r.scan_iter("rq:job:*-[0-9]", count=1000))
 
 
 # --- the report --------------------------------------------------------------------------------
@@ -460,11 +596,44 @@ def print_report(run: Run, plan: Plan, retried: int, restarts: list[str], failur
     print(
         f"supervisor: {'; '.join(restarts) or 'no restarts'}" + (f"; {failure}" if failure else "")
     )
-    all_cleared = len(run.faults) == len(fault_plan(plan)) and all(f.cleared for f in run.faults)
+    expected = len(fault_plan(plan)) + len(request_faults())
+    all_cleared = len(run.faults) == expected and all(f.cleared for f in run.faults)
     met = all_cleared and not (wrong or kinds[HUNG] or kinds[SERVER_ERROR] or run.stray_keys)
     print(f"goal: 0 wrong, 0 hung, 0 5xx other than documented 503s, 0 keys without TTL, every "
           f"fault cleared -> {'MET' if met else 'MISSED'}")  # fmt: skip
-    return met
+    return met and print_request_faults(run)
+
+
+def print_request_faults(run: Run) -> bool:
+    """Issue 19's goal over the request faults' windows: the others are untouched."""
+    faults = [f for f in run.faults if f.request]
+    rows = []
+    others_failed = 0
+    longest = 0.0
+    for f in faults:
+        during = [o for o in run.outcomes if phase_of(o, run.faults) == f.name]
+        failed = sum(o.kind != CORRECT for o in during)
+        gap = max((o.max_gap for o in during if o.stream), default=0.0)
+        others_failed += failed
+        longest = max(longest, gap)
+        rows.append([f.name, f.answer[:48], len(during), failed, f"{gap * 1000:.0f}"])
+    print()
+    headers = ["request fault", "its answer", "others", "others failed", "longest gap ms"]
+    print(table(headers, rows))
+    lost = sum("worker_lost" in o.why for o in run.outcomes if phase_of(o, faults) != "steady")
+    print(
+        f"false deaths        {len(run.restarted_in_request_faults)} restarted "
+        f"{run.restarted_in_request_faults or ''}, {lost} worker_lost during request faults"
+    )
+    print(f"requests run twice  {run.ran_twice} (jobs enqueued again as <id>-1)")
+    print(f"longest pause       {longest * 1000:.0f} ms between two chunks of another stream")
+    met = bool(faults) and not (others_failed or lost or run.restarted_in_request_faults)
+    verdict = "MET" if met and not run.ran_twice else "MISSED"
+    print(
+        "goal (issue 19): 0 other requests failed, 0 false deaths, 0 run twice, the longest "
+        f"pause reported -> {verdict}"
+    )
+    return met and not run.ran_twice
 
 
 def supervise_in_background(
