@@ -9,6 +9,10 @@ falls back to (`rq.serializers.PickleSerializer`, which `resolve_serializer` rea
 to `shared.wire.MsgpackSerializer`: in this process no rq object can unpickle anything. That
 default is process-wide, which is why the dashboard runs in a process of its own.
 
+A job rq cannot load (a hand-written hash: no data, a bad date or status) made its registry
+pages a 500 for every job listed with it; `tolerate_malformed_jobs` lists it as a malformed job
+instead (its id, the reason, the failure the worker recorded), and its job pages say the same.
+
 Its workers page shows a worker by its rq name alone (`mlxcel-w1`); `label_pool_workers` makes
 that a pool worker's `w1 · host:pid · model`, and leaves every other rq worker as it is.
 
@@ -21,12 +25,16 @@ import functools
 import html
 import logging
 import sys
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import redis
 import rq.serializers
-from flask import Flask, Response, current_app, make_response
-from rq import Worker
+from flask import Flask, Response, current_app, jsonify, make_response
+from rq import Queue, Worker
+from rq.job import Job
+from rq.results import Result
 from rq_dashboard import web
 from rq_dashboard.cli import make_flask_app
 
@@ -39,6 +47,44 @@ from shared.wire import MsgpackSerializer
 HOST = "127.0.0.1"  # it has no login and can delete and requeue jobs: never reachable from outside
 DEFAULT_PORT = 9181
 WORKERS_VIEW = "rq_dashboard.list_workers"  # `/<instance>/data/workers.json`, what the page lists
+JOB_VIEWS = ("rq_dashboard.job_info", "rq_dashboard.job_view")  # a job's JSON and its page
+
+
+@dataclass
+class _Failure:
+    exc_string: str
+
+
+@dataclass
+class MalformedJob:
+    """What the dashboard shows for a job rq cannot load: the fields its lists read."""
+
+    id: str
+    reason: str
+    failure: str | None = None  # the failure the worker recorded for it, if any
+    created_at: datetime | None = None
+    started_at: datetime | None = None
+    ended_at: datetime | None = None
+
+    @property
+    def description(self) -> str:
+        return f"malformed job: {self.reason}"
+
+    def latest_result(self) -> _Failure:
+        return _Failure(self.failure or self.description)
+
+    @classmethod
+    def read(cls, connection: redis.Redis, job_id: str, exc: BaseException) -> MalformedJob:
+        """The job as far as Redis shows it, without loading it as rq would."""
+        stub = Job(id=job_id, connection=connection, serializer=MsgpackSerializer)
+        try:
+            latest = Result.fetch_latest(stub, serializer=MsgpackSerializer)
+        except redis.RedisError:
+            raise
+        except Exception:  # a result stream written by hand too: the reason is enough
+            latest = None
+        failure = latest.exc_string if latest is not None else None
+        return cls(job_id, f"{type(exc).__name__}: {exc}", failure)
 
 
 def use_msgpack() -> None:
@@ -98,6 +144,44 @@ def label_pool_workers(app: Flask) -> None:
     app.view_functions[WORKERS_VIEW] = list_workers
 
 
+def tolerate_malformed_jobs(app: Flask) -> None:
+    """A job rq cannot load is listed as a `MalformedJob` (rq-dashboard's lists fetch each job
+    through `Queue.fetch_job`; process-wide, like `use_msgpack`), and its own views answer with
+    the same description instead of a 500."""
+    fetch = Queue.fetch_job
+    if getattr(fetch, "tolerates_malformed", False):
+        return
+
+    @functools.wraps(fetch)
+    def fetch_job(self: Queue, job_id: str) -> Any:
+        try:
+            return fetch(self, job_id)
+        except redis.RedisError:
+            raise
+        except Exception as exc:  # rq cannot load it: a hand-written or damaged hash
+            return MalformedJob.read(self.connection, job_id, exc)
+
+    fetch_job.tolerates_malformed = True  # type: ignore[attr-defined]
+    Queue.fetch_job = fetch_job  # type: ignore[method-assign]
+    for name in JOB_VIEWS:
+        view = app.view_functions[name]
+
+        @functools.wraps(view)
+        def shown(*args: Any, _view: Any = view, **kwargs: Any) -> Any:
+            try:
+                return _view(*args, **kwargs)
+            except redis.RedisError:
+                raise
+            except Exception as exc:
+                job_id = str(kwargs.get("job_id", ""))
+                job = MalformedJob.read(current_app.redis_conn, job_id, exc)  # type: ignore[attr-defined]
+                body = {"id": job.id, "status": "malformed", "description": job.description,
+                        "exc_info": job.latest_result().exc_string}  # fmt: skip
+                return jsonify(body), 200, {"Cache-Control": "no-store"}
+
+        app.view_functions[name] = shown
+
+
 def make_app(redis_url: str) -> Flask:
     """rq-dashboard's Flask app against `redis_url` (its pages show it with the password
     masked)."""
@@ -108,6 +192,7 @@ def make_app(redis_url: str) -> Flask:
     app.config["DEPRECATED_OPTIONS"] = []
     web.setup_rq_connection(app)
     label_pool_workers(app)
+    tolerate_malformed_jobs(app)
     return app
 
 

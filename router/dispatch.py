@@ -26,12 +26,7 @@ from rq.job import Job, JobStatus
 from router.admission_ledger import AdmissionLedger
 from router.stream_hub import Entry, StreamHub
 from shared import keys
-from shared.liveness import (
-    DEAD_AFTER_S,
-    DEAD_CONFIRMATIONS,
-    WORKER_LOST_MARK,
-    heartbeat_age_s,
-)
+from shared.liveness import WORKER_LOST_MARK, lost_verdict
 from shared.wire import (
     JOB_FUNC,
     REDIS_UNAVAILABLE,
@@ -51,17 +46,17 @@ JOB_CHECK_INTERVAL_S = 1.0
 RESULT_TTL_S = 600
 FAILURE_TTL_S = 3600
 QUEUED_TTL_S = 600
-# A cancelled request's stream lingers this long instead of being deleted: the worker may XADD
-# a step or two more before it reads the cancel flag, and XADD on a deleted key would create a
-# new stream without a TTL (the worker sets a stream's TTL with its first event only).
+# A request that ended without its worker's last event (client gone, timeout, worker lost) gets its
+# cancel flag and its stream lingers this long instead of being deleted: the worker may write a
+# step or two more before it reads the flag (each of its writes sets the stream's TTL too).
 CANCELLED_STREAM_TTL_S = 60
 
 # error_type of the events the router makes up itself (the worker never sends these).
 TIMEOUT = "timeout"
 JOB_FAILED = "job_failed"
 
-# A request's worker that stops beating (shared.liveness) costs it its attempt: one more is made
-# while no token has reached the client.
+# A request's worker found lost (the reaper's verdict, shared.liveness.lost_verdict) costs it its
+# attempt: one more is made while no token has reached the client.
 WORKER_LOST = "worker_lost"
 MAX_ATTEMPTS = 2
 # While tokens flow, how often a request asks whether its client is still there.
@@ -78,7 +73,8 @@ class _Attempt:
     number: int = 1
     worker_id: str = ""
     next_seq: int = 0
-    stale_checks: int = 0
+    # The worker wrote the request's last event (`done` or `error` in its stream): it writes no
+    # more, so its stream can go. Any other end (an error the router made up) cancels the job.
     finished: bool = False
 
     @property
@@ -170,7 +166,7 @@ class Dispatcher:
                         if event.kind == "error" and event.error_type == WORKER_LOST:
                             lost = event
                             break
-                        attempt.finished = event.kind in ("done", "error")
+                        last = event.kind in ("done", "error")
                         relayed_tokens = relayed_tokens or (streamed and event.kind == "delta")
                         if event.kind == "start" and not started:
                             started = True
@@ -178,19 +174,19 @@ class Dispatcher:
                                 gen.request_id, event.worker_id or "", event.cached_tokens
                             )
                         yield event
-                        if attempt.finished:
+                        if last:
                             return
                 if lost is None:
                     return  # the client went away (or nothing more will come)
+                # A lost worker may be only stopped: the cleanup below (or the requeue) sets the
+                # lost attempt's cancel flag, so it drops the request when it goes on.
                 if relayed_tokens or attempt.number >= MAX_ATTEMPTS:
-                    attempt.finished = True
                     yield lost
                     return
                 try:
                     attempt = await self._requeue(attempt)
                 except redis.RedisError as exc:
                     log.warning("request %s: could not enqueue it again: %s", gen.request_id, exc)
-                    attempt.finished = True
                     yield lost
                     return
                 log.warning("request %s: %s; enqueued again", gen.request_id, lost.error)
@@ -265,6 +261,7 @@ class Dispatcher:
                 attempt.next_seq = event.seq + 1
                 if event.kind == "start":
                     attempt.worker_id = event.worker_id
+                attempt.finished = event.kind in ("done", "error")  # the worker's own last event
                 yield event
                 last_event_at = now
                 # A client that left is let go within a step even while tokens flow; a streamed
@@ -312,8 +309,9 @@ class Dispatcher:
             return False
 
     def _job_state(self, attempt: _Attempt) -> _JobState:
-        """The job as rq records it and, while it runs, whether its worker still beats (on the
-        sync client, in a worker thread)."""
+        """The job as rq records it and, while it runs, whether the pool found its worker lost
+        (the reaper's verdict: never judged here from a heartbeat), on the sync client, in a
+        worker thread."""
         try:
             job = Job.fetch(attempt.job_id, connection=self.sync_redis,
                             serializer=MsgpackSerializer)  # fmt: skip
@@ -340,14 +338,9 @@ class Dispatcher:
         wid = attempt.worker_id or keys.parse_rq_worker_name(job.worker_name or "")
         if wid is None:
             return _JobState()
-        age = heartbeat_age_s(int(self.sync_redis.pttl(keys.worker_info(wid))))
-        if age is not None and age < DEAD_AFTER_S:
-            attempt.stale_checks = 0
+        since = lost_verdict(self.sync_redis, wid)
+        if since is None:
             return _JobState()
-        attempt.stale_checks += 1
-        if attempt.stale_checks < DEAD_CONFIRMATIONS:
-            return _JobState()
-        since = "its liveness key is gone" if age is None else f"no heartbeat for {age:.0f}s"
         return _JobState(lost=f"worker {wid} stopped while running this request ({since})")
 
     async def _cleanup(self, req_id: str, cancel: bool) -> None:

@@ -66,7 +66,9 @@ class StreamHub:
     async def subscribe(self, stream: str) -> asyncio.Queue[Entry]:
         sub = self._subs.setdefault(stream, _Subscription())
         self._changed.set()
-        async with self._writer.pipeline(transaction=False) as pipe:
+        # MULTI/EXEC: the wake stream never exists without its TTL, even if this connection drops
+        # between the two commands.
+        async with self._writer.pipeline(transaction=True) as pipe:
             pipe.xadd(self._wake_key, {"w": "1"}, maxlen=1)
             pipe.expire(self._wake_key, keys.REQUEST_TTL_S)
             await pipe.execute()

@@ -89,6 +89,7 @@ LAST_REJECT_HASH_FIELDS: tuple[str, ...] = tuple(f"last_reject_{f}" for f in LAS
 INFO_FIELDS: tuple[str, ...] = (
     "worker_id", "model", "pid", "host", "started_at", "rq_name", "batch_size",
     "storage_modes", "last_seen", "epoch", "model_dir", "batch_invariant", "batch_limit",
+    "stuck_after_s", "loop_age_s",
 )  # fmt: skip
 
 # The spec's field order for `/v1/cache/stats`.

@@ -116,6 +116,8 @@ class WorkerConfig(_Section):
     job_timeout_s: int = Field(900, ge=1)
     # Idle worker: gather a burst of arrivals for up to this long so they prefill as one batch.
     admission_window_ms: float = Field(30, ge=0, le=1000)
+    # A loop that has not progressed for this long is stuck: its heartbeat stops (shared.liveness).
+    stuck_after_s: float = Field(60, ge=1)
     # float32 on CPU: attention and SwiGLU without mlx's slow CPU exp (worker/mlx_cpu/cpu_ops.py).
     cpu_fast_ops: bool = True
     # At load, batched greedy tokens are compared with solo ones; the largest batch size that
@@ -268,6 +270,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "MLXCEL_DEFAULT_MAX_TOKENS": ("worker", "default_max_tokens"),
     "MLXCEL_JOB_TIMEOUT_S": ("worker", "job_timeout_s"),
     "MLXCEL_ADMISSION_WINDOW_MS": ("worker", "admission_window_ms"),
+    "MLXCEL_WORKER_STUCK_AFTER_S": ("worker", "stuck_after_s"),
     "MLXCEL_CPU_FAST_OPS": ("worker", "cpu_fast_ops"),
     "MLXCEL_BATCH_INVARIANCE_CHECK": ("worker", "batch_invariance_check"),
     "MLXCEL_KV_BITS": ("worker", "kv_bits"),

@@ -49,6 +49,9 @@ HEARTBEAT_INTERVAL_S = 1.0
 CONTROL_TTL_S = 60
 # A dead worker's reaped claim outlives any restart delay; the worker clears it when it starts.
 REAPED_TTL_S = 3600
+# A job no router would have written (rq cannot load it, or its payload does not decode) is kept
+# this long once failed (its hash, result and failed-registry entry), not rq's year.
+MALFORMED_JOB_TTL_S = 600
 
 # A placed request's routed blocks and load entry lapse this long after their router last
 # refreshed them (a crashed router's placements free themselves).

@@ -1,9 +1,21 @@
-"""When the pool counts a worker as alive: one rule for /health, /v1/cache/stats and dispatch.
+"""When the pool counts a worker as alive, and who decides that it is lost.
 
-A worker refreshes its info hash's TTL (keys.LIVENESS_TTL_S) with every heartbeat
-(keys.HEARTBEAT_INTERVAL_S), so the TTL left says how old its last heartbeat is, measured on
+A worker's heartbeat thread (worker.broker.presence.Heartbeat, its own thread and connection,
+independent of the loop) refreshes its info hash's TTL (keys.LIVENESS_TTL_S) every
+keys.HEARTBEAT_INTERVAL_S, so the TTL left says how old its last heartbeat is, measured on
 Redis's own clock: no clock skew between hosts enters. A worker whose heartbeat is older than
-DEAD_AFTER_S is dead to the router, long before its hash expires.
+DEAD_AFTER_S is not alive (/health, placement, /v1/cache/stats), long before its hash expires.
+
+A long pass holds a worker's loop, never its heartbeat. The loop's own progress is a separate
+age (`loop_age_s` in the info hash, as the heartbeat thread measures it): past STUCK_AFTER_S
+(`worker.stuck_after_s`) the heartbeat thread stops beating, so a loop stuck that long, or a
+process stopped or gone, is what "no heartbeat" means.
+
+Death is decided once: by the reaper of a live peer (worker.broker.reaper), after heartbeats
+older than DEAD_AFTER_S on DEAD_CONFIRMATIONS passes a second apart; its verdict is the
+`keys.worker_reaped` key (and the worker-lost failure of the jobs it ran). The router reads that
+verdict (`lost_verdict`) and never judges a heartbeat age itself; with no live peer left to
+judge, the info hash expiring (LIVENESS_TTL_S without a heartbeat) is the verdict.
 """
 
 from __future__ import annotations
@@ -16,11 +28,15 @@ import redis
 
 from shared import keys
 
-# Several missed heartbeats: a long engine step or a Redis hiccup does not look like a death.
+# Several missed heartbeats from a thread that beats whatever the loop does: a Redis hiccup does
+# not look like a death.
 DEAD_AFTER_S = 5.0
-# A request's worker must look dead this many times, HEARTBEAT_INTERVAL_S or more apart, before
-# the router acts on it: after a Redis stall every heartbeat is late until workers write again.
+# The reaper counts a peer dead only when it looked dead on this many passes, HEARTBEAT_INTERVAL_S
+# or more apart: after a Redis stall every heartbeat is late until workers write again.
 DEAD_CONFIRMATIONS = 2
+# The default of worker.stuck_after_s: a loop that has not progressed for this long is stuck,
+# its heartbeat stops and its jobs are lost DEAD_AFTER_S later.
+STUCK_AFTER_S = 60.0
 
 
 def min_alive_pttl_ms() -> int:
@@ -37,6 +53,25 @@ def heartbeat_age_s(pttl_ms: int) -> float | None:
 
 def is_alive(pttl_ms: int) -> bool:
     return pttl_ms > min_alive_pttl_ms()
+
+
+def lost_verdict(r: redis.Redis, worker_id: str) -> str | None:
+    """Why the pool has found `worker_id` lost, or None while it has not: the verdict a live
+    peer's reaper wrote (its reason), else the liveness hash gone (no peer left to judge)."""
+    with r.pipeline(transaction=False) as pipe:
+        pipe.get(keys.worker_reaped(worker_id))
+        pipe.exists(keys.worker_info(worker_id))
+        reaped, exists = pipe.execute()
+    if reaped is not None:
+        return reaped.decode(errors="replace").partition(" ")[2] or "reaped by a live peer"
+    if not exists:
+        return "its liveness key is gone"
+    return None
+
+
+def reaped_value(reaper_id: str, reason: str) -> str:
+    """What the reaper writes as its verdict: its own id, then why (what `lost_verdict` reads)."""
+    return f"{reaper_id} {reason}"
 
 
 # Starts the failure text of a job whose worker died mid-run, as the reaper records it in rq: the

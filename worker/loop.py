@@ -6,15 +6,21 @@ take no more work); a second forces a cold stop.
 The step runs before the loop waits for the publish it overlapped, so a step never waits on
 the round trip it just submitted; admissions come after the step, so a warm request's first
 token goes out in this step's publish.
+
+Each iteration tells the presence's heartbeat thread that the loop progresses (its age, reported
+as `loop_age_s`; past `worker.stuck_after_s` the thread stops beating). A worker that a peer
+reaped meanwhile (it was stopped, or stuck past the threshold) drops what it runs without a
+word to rq or the streams (the reaper and the routers ended those requests) and registers again.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -44,6 +50,10 @@ _OUTCOME = {
     RequestStatus.FAILED: JobOutcome.FAILED,
     RequestStatus.CANCELLED: JobOutcome.CANCELED,
 }
+# Fault injection, for tests only: while this variable names a file (`{worker_id}` in it becomes the
+# worker's id), an iteration that finds the file reads a number of seconds from it, deletes it and
+# sleeps that long in the loop (as one long pass would), so liveness is testable without one.
+FAULT_LOOP_STALL_ENV = "MLXCEL_FAULT_INJECT_LOOP_STALL_FILE"
 
 
 @dataclass
@@ -65,6 +75,7 @@ class WorkerLoop:
     _next_reap: float = 0.0
     _maintenance: Future[None] | None = None
     _index_full_due: bool = False  # the last publish found the block index gone
+    _fault_stall_file: str = field(default_factory=lambda: os.environ.get(FAULT_LOOP_STALL_ENV, ""))
 
     def install_signal_handlers(self) -> None:
         def ask_stop(signum: int, _frame: Any) -> None:
@@ -76,6 +87,7 @@ class WorkerLoop:
 
     def run(self) -> None:
         self.presence.arrive(self._gauges())
+        self.presence.start_heartbeat()
         self.reaper.reap_own_past()
         try:
             while self._stop_requests == 0 or (self.engine.active and self._stop_requests == 1):
@@ -87,7 +99,13 @@ class WorkerLoop:
             self.shutdown()
 
     def iterate(self) -> None:
+        self.presence.progress()
+        if self._fault_stall_file:
+            self._fault_stall()
+        carried = self._rejoin() if self.presence.reaped() else None
         out = self.engine.step()
+        if carried is not None:
+            out.merge(carried)
         writes = StepWrites()
         reads = self.outbox.take_reads()  # the publish that overlapped the step
         if reads is not None:
@@ -160,7 +178,9 @@ class WorkerLoop:
     def _reject(taken: TakenJob, error: str, writes: StepWrites) -> None:
         event = StreamEvent(kind="error", error=error, error_type="invalid_request_error")
         writes.streams.append((taken, [event.to_wire()]))
-        writes.ended.append(JobEnd(taken, JobOutcome.FAILED, error=error))
+        ended = JobEnd(taken, JobOutcome.FAILED, error=error,
+                       failure_ttl_s=keys.MALFORMED_JOB_TTL_S)  # fmt: skip
+        writes.ended.append(ended)
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -225,6 +245,38 @@ class WorkerLoop:
         gauges = {**self.static_gauges, **self.engine.gauges()}
         return gauges
 
+    # -- a false death, fault injection ----------------------------------------------------
+
+    def _rejoin(self) -> StepResult:
+        """A peer reaped this worker (it was stopped, or its loop stuck past the threshold, for
+        longer than peers wait): its running jobs are failed in rq and the routers have moved on
+        and set their cancel flags. Drop them all without a write (their ends are the reaper's,
+        their streams the routers'), then register again. Only their counters go out."""
+        self.outbox.settle()
+        running = self.engine.running
+        dropped = StepResult()
+        for req in running:
+            dropped.merge(self.engine.cancel(req.id))
+        log.warning("worker %s was found dead by a peer (it was stopped or stuck): dropped its "
+                    "%d running request(s), registering again", self.presence.worker_id,
+                    len(running))  # fmt: skip
+        self.presence.arrive(self._gauges())
+        self._index_full_due = True  # arrive wrote an empty block set: fill it
+        return StepResult(counters=dropped.counters, index=dropped.index,
+                          last_reject=dropped.last_reject)  # fmt: skip
+
+    def _fault_stall(self) -> None:
+        """The FAULT_LOOP_STALL_ENV hook (tests only): one long pass, on request."""
+        path = self._fault_stall_file.replace("{worker_id}", self.presence.worker_id)
+        try:
+            with open(path) as f:
+                seconds = float(f.read().strip() or 0)
+            os.unlink(path)
+        except (OSError, ValueError):
+            return
+        log.warning("fault injection: the loop sleeps %.1fs in one iteration", seconds)
+        time.sleep(seconds)
+
     # -- Redis lost, stop ------------------------------------------------------------------
 
     def _reconnect(self, exc: Exception) -> None:
@@ -237,6 +289,7 @@ class WorkerLoop:
         dropped = self.engine.fail_all("the worker lost Redis mid-request", REDIS_UNAVAILABLE)
         delay = RECONNECT_MIN_S
         while self._stop_requests == 0:
+            self.presence.progress()  # waiting for Redis is progress: the loop is not stuck
             try:
                 self.presence.arrive(self._gauges())
             except redis.RedisError as again:

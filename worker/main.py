@@ -109,7 +109,8 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
         "canary": my_canary,
         "model_dir": str(model_dir.resolve()),
     }  # fmt: skip
-    presence = WorkerPresence(conn, worker_id, own_queues(conn, worker_id, facts.model_id), info)
+    presence = WorkerPresence(conn, worker_id, own_queues(conn, worker_id, facts.model_id), info,
+                              stuck_after_s=settings.worker.stuck_after_s)  # fmt: skip
     intake = RqIntake(presence)
     engine = Engine(
         model,

@@ -21,7 +21,7 @@ from typing import Any
 
 import redis
 from rq import Queue
-from rq.exceptions import DequeueTimeout
+from rq.exceptions import DequeueTimeout, DeserializationError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.registry import CanceledJobRegistry, FailedJobRegistry, clean_registries
@@ -30,11 +30,13 @@ from rq.utils import current_timestamp, now, utcformat
 
 from shared import keys
 from shared.wire import STREAM_FIELD, GenerationRequest, MsgpackSerializer, StreamEvent
-from worker.broker.presence import EXECUTION_TTL_S, WorkerPresence
+from worker.broker.presence import WorkerPresence
 
 log = logging.getLogger("mlxcel.worker.intake")
 
 RESULT_TTL_S = 600
+# A failed job's record lives this long when its job names no failure_ttl (rq's own default is
+# a year); a job no router would write gets keys.MALFORMED_JOB_TTL_S.
 FAILURE_TTL_S = 3600
 # A burst's jobs arrive a few ms apart (the router tokenizes and enqueues each): a pause this long
 # ends the burst.
@@ -49,7 +51,6 @@ class TakenJob:
     execution: Execution
     request: GenerationRequest | None  # None: the payload was malformed (failed right away)
     error: str = ""
-    stream_ttl_due: float = 0.0  # when the publisher next renews the stream's TTL
 
     @property
     def id(self) -> str:
@@ -75,6 +76,38 @@ class JobEnd:
     outcome: JobOutcome
     result: dict[str, Any] | None = None
     error: str = ""
+    failure_ttl_s: int | None = None  # None: the job's own failure_ttl, else FAILURE_TTL_S
+
+
+class MalformedJobHash(ValueError):
+    """A job hash rq would skip without a word (it has no `data`): failed and logged instead."""
+
+
+class PoolJob(Job):
+    """rq's Job, except that a hash without `data` is an error naming it, not a silent skip
+    (rq's dequeue drops such an id and leaves the hash `queued` for ever)."""
+
+    def restore(self, raw_data: Any) -> Any:
+        if raw_data and b"data" not in raw_data and "data" not in raw_data:
+            raise MalformedJobHash("the job hash has no data field")
+        return super().restore(raw_data)
+
+
+# One stream's events of a step and its TTL, in one atomic write: a stream is never created (a
+# router may have deleted or cut it after the request ended) without a TTL.
+# KEYS: the stream; ARGV: its TTL, the event field, the packed events.
+_APPEND_SCRIPT = """
+for i = 3, #ARGV do
+  redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[i])
+end
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+"""
+
+
+def append_events(pipe: Any, stream: str, packed: list[bytes]) -> None:
+    """XADD each packed event to `stream` and set its TTL (keys.REQUEST_TTL_S), atomically."""
+    if packed:
+        pipe.eval(_APPEND_SCRIPT, 1, stream, keys.REQUEST_TTL_S, STREAM_FIELD, *packed)
 
 
 def own_queues(connection: redis.Redis, worker_id: str, model_id: str) -> list[Queue]:
@@ -160,7 +193,7 @@ class RqIntake:
         try:
             return Queue.dequeue_any(
                 queues or self.queues, timeout, connection=self.connection,
-                serializer=MsgpackSerializer,
+                job_class=PoolJob, serializer=MsgpackSerializer,
             )  # fmt: skip
         except DequeueTimeout:
             return None
@@ -170,7 +203,7 @@ class RqIntake:
             job_id, queue = getattr(exc, "job_id", None), getattr(exc, "queue", None)
             log.warning("job %s: rq cannot load it: %s: %s", job_id, type(exc).__name__, exc)
             if isinstance(job_id, str) and isinstance(queue, Queue):
-                self._fail_unloadable(job_id, queue, f"{type(exc).__name__}: {exc}")
+                self._fail_unloadable(job_id, queue, _describe(exc))
             return None
 
     def _start(self, taken: list[tuple[Job, Queue]]) -> list[TakenJob]:
@@ -187,14 +220,14 @@ class RqIntake:
                     continue
                 try:
                     execution = Execution.create(
-                        job, EXECUTION_TTL_S, pipeline=pipe, worker_name=self.name
+                        job, self.presence.execution_ttl_s, pipeline=pipe, worker_name=self.name
                     )
                     job.prepare_for_execution(self.name, pipeline=pipe)
                 except redis.RedisError:
                     raise
                 except Exception as exc:  # a job whose fields rq loads but cannot use
                     log.warning("job %s: cannot start it: %s", job.id, exc)
-                    self._fail_unloadable(job.id, queue, f"{type(exc).__name__}: {exc}", pipe)
+                    self._fail_unloadable(job.id, queue, _describe(exc), pipe)
                     continue
                 out.append(self._parse(job, execution))
             pipe.execute()
@@ -203,26 +236,41 @@ class RqIntake:
     @staticmethod
     def _parse(job: Job, execution: Execution) -> TakenJob:
         try:
-            request = GenerationRequest.from_wire(job.kwargs.get("request"))
-        except Exception as exc:  # rq's deserializer or our decoder: any payload we did not write
-            return TakenJob(job, execution, None, f"malformed job payload: {exc}")
+            kwargs = job.kwargs
+        except DeserializationError as exc:  # rq's own error says nothing: its cause does
+            cause, data = exc.__cause__ or exc, job.data or b""
+            error = f"data is not msgpack: {_describe(cause)} ({len(data)} bytes: {data[:8]!r}...)"
+            return TakenJob(job, execution, None, error)
+        except Exception as exc:
+            return TakenJob(job, execution, None, f"data is unreadable: {_describe(exc)}")
+        try:
+            if not isinstance(kwargs, dict):
+                raise ValueError(f"the job's kwargs are a {type(kwargs).__name__}, not a map")
+            request = GenerationRequest.from_wire(kwargs.get("request"))
+        except Exception as exc:  # our decoder: any payload we did not write
+            return TakenJob(job, execution, None, f"malformed job payload: {_describe(exc)}")
         return TakenJob(job, execution, request)
 
     def _fail_unloadable(self, job_id: str, queue: Queue, error: str, pipe: Any = None) -> None:
         """Fail a job rq cannot load as a Job: its hash says failed, it joins the queue's
         FailedJobRegistry, and its stream (if a router waits on one) gets the error."""
         p = pipe if pipe is not None else self.connection.pipeline(transaction=False)
+        ttl = keys.MALFORMED_JOB_TTL_S
+        reason = f"malformed job: {error}"
         job_key = Job.key_for(job_id)
         p.hset(job_key, mapping={"status": JobStatus.FAILED.value, "ended_at": utcformat(now())})
-        p.expire(job_key, FAILURE_TTL_S)
+        p.expire(job_key, ttl)
+        # The reason as rq records a failure (what `latest_result()`, rq-dashboard and the router
+        # read), written without loading the job rq cannot load.
+        failure = Result(job_id, Result.Type.FAILED, self.connection, exc_string=reason,
+                         worker_name=self.name, serializer=MsgpackSerializer)  # fmt: skip
+        failure.save(ttl, pipeline=p)
         registry = FailedJobRegistry(queue.name, connection=self.connection,
                                      serializer=MsgpackSerializer)  # fmt: skip
-        p.zadd(registry.key, {job_id: current_timestamp() + FAILURE_TTL_S})
+        p.zadd(registry.key, {job_id: current_timestamp() + ttl})
         p.lrem(queue.intermediate_queue_key, 0, job_id)
-        event = StreamEvent(kind="error", error=f"malformed job: {error}",
-                            error_type="invalid_request_error")  # fmt: skip
-        p.xadd(keys.request_stream(job_id), {STREAM_FIELD: event.to_wire()})
-        p.expire(keys.request_stream(job_id), keys.REQUEST_TTL_S)
+        event = StreamEvent(kind="error", error=reason, error_type="invalid_request_error")
+        append_events(p, keys.request_stream(job_id), [event.to_wire()])
         if pipe is None:
             p.execute()
 
@@ -252,11 +300,12 @@ class RqIntake:
             if count:
                 self.presence.increment_successful_job_count(pipeline=pipe)
         elif end.outcome is JobOutcome.FAILED:
-            job.set_status(JobStatus.FAILED, pipeline=pipe)
-            job.failed_job_registry.add(
-                job, ttl=job.failure_ttl, exc_string=end.error, pipeline=pipe
+            ttl = end.failure_ttl_s or (
+                job.failure_ttl if job.failure_ttl and job.failure_ttl > 0 else FAILURE_TTL_S
             )
-            Result.create_failure(job, job.failure_ttl, end.error, **stamps)
+            job.set_status(JobStatus.FAILED, pipeline=pipe)
+            job.failed_job_registry.add(job, ttl=ttl, exc_string=end.error, pipeline=pipe)
+            Result.create_failure(job, ttl, end.error, **stamps)
             if count:
                 self.presence.increment_failed_job_count(pipe)
         else:
@@ -264,3 +313,9 @@ class RqIntake:
             CanceledJobRegistry(
                 job.origin, connection=self.connection, serializer=MsgpackSerializer
             ).add(job, ttl=RESULT_TTL_S, pipeline=pipe)
+
+
+def _describe(exc: BaseException) -> str:
+    """An exception as a reason: its text, or its type when it has none."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

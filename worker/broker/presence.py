@@ -4,6 +4,13 @@ rq's worker record (`rq:worker:mlxcel-<wid>`, what `rq info` and rq-dashboard li
 pool's info hash (`mlxcel:worker:<wid>:info`, what the router reads) are born, beat and die
 together here, in the same pipelines, so the two can never disagree about whether the worker
 is alive. Built on rq's own worker class: its birth, heartbeat, state and death methods.
+
+Two clocks (shared.liveness): the `Heartbeat` thread, with its own Redis connection, keeps the
+liveness hash, rq's worker record and the block index alive every HEARTBEAT_INTERVAL_S whatever
+the loop does, and reports the loop's progress (`loop_age_s`); the loop's own once-a-second
+beat (`beat`, in its step's pipeline) writes the gauges, rq's heartbeat and its running jobs'
+executions. The thread stops beating once the loop has not progressed for `stuck_after_s`, so a
+process stuck for good is found dead, and it tells the loop when a peer reaped it meanwhile.
 """
 
 from __future__ import annotations
@@ -12,7 +19,9 @@ import logging
 import os
 import secrets
 import socket
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -20,13 +29,28 @@ from rq import Queue, SimpleWorker
 from rq.worker import WorkerStatus
 
 from shared import keys
+from shared.liveness import DEAD_AFTER_S, STUCK_AFTER_S
 from shared.wire import MsgpackSerializer
 
 log = logging.getLogger("mlxcel.worker.presence")
 
-# A running job's rq execution (its StartedJobRegistry entry) lives this long past its last
-# heartbeat: the worker beats every HEARTBEAT_INTERVAL_S, so it lapses only once the worker is gone.
-EXECUTION_TTL_S = 60
+# A running job's rq execution (its StartedJobRegistry entry) lives this long past the loop's last
+# beat beyond the stuck threshold: it lapses only once the worker is gone, never in a long pass.
+EXECUTION_MARGIN_S = 2 * keys.LIVENESS_TTL_S
+EXECUTION_TTL_S = int(STUCK_AFTER_S) + EXECUTION_MARGIN_S  # at the default stuck threshold
+
+# The heartbeat thread's one round trip: the TTLs of a hash that exists (a deleted or flushed one
+# is the loop's to write again, never recreated here), the loop's age, and whether a peer reaped
+# this worker. KEYS: info, rq worker record, block set, reaped claim; ARGV: ttl, loop age.
+_BEAT_SCRIPT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('HSET', KEYS[1], 'loop_age_s', ARGV[2])
+  redis.call('EXPIRE', KEYS[1], ARGV[1])
+  redis.call('EXPIRE', KEYS[2], ARGV[1])
+  redis.call('EXPIRE', KEYS[3], ARGV[1])
+end
+return redis.call('EXISTS', KEYS[4])
+"""
 
 
 class WorkerIdInUse(RuntimeError):
@@ -46,7 +70,12 @@ class WorkerPresence(RqWorkerRecord):
     """rq's worker class as a registration holder: jobs run in the engine's batch, never here."""
 
     def __init__(
-        self, connection: redis.Redis, worker_id: str, queues: list[Queue], info: dict[str, str]
+        self,
+        connection: redis.Redis,
+        worker_id: str,
+        queues: list[Queue],
+        info: dict[str, str],
+        stuck_after_s: float = STUCK_AFTER_S,
     ) -> None:
         super().__init__(
             queues,
@@ -60,10 +89,19 @@ class WorkerPresence(RqWorkerRecord):
         # New at every process start: routers read the block index under this epoch only, so a
         # restarted or zombie process can never leave entries for a cache it no longer holds.
         self.epoch = secrets.token_hex(6)
-        self.info = {**info, "rq_name": self.name, "epoch": self.epoch}
+        self.stuck_after_s = stuck_after_s
+        self.info = {
+            **info, "rq_name": self.name, "epoch": self.epoch, "stuck_after_s": f"{stuck_after_s:g}"
+        }  # fmt: skip
         self._k_info = keys.worker_info(worker_id)
         self._busy = False
         self._next_beat = 0.0
+        self.heartbeat_thread: Heartbeat | None = None
+
+    @property
+    def execution_ttl_s(self) -> int:
+        """A running job's execution outlives any pass shorter than the stuck threshold."""
+        return int(self.stuck_after_s) + EXECUTION_MARGIN_S
 
     # -- birth -----------------------------------------------------------------------------
 
@@ -79,6 +117,9 @@ class WorkerPresence(RqWorkerRecord):
             pipe.execute()
         self._retire_stale_record()
         self.register_birth()
+        if self.heartbeat_thread is not None:  # a new life: a verdict found before is spent
+            self.heartbeat_thread.reaped.clear()
+            self.heartbeat_thread.progress()
         self._busy = False
         self.set_state(WorkerStatus.IDLE)
         self._next_beat = time.monotonic() + keys.HEARTBEAT_INTERVAL_S
@@ -126,7 +167,7 @@ class WorkerPresence(RqWorkerRecord):
         self.heartbeat(keys.LIVENESS_TTL_S, pipeline=pipe)
         for taken in running:
             taken.execution.heartbeat(
-                taken.job.started_job_registry, EXECUTION_TTL_S, pipeline=pipe
+                taken.job.started_job_registry, self.execution_ttl_s, pipeline=pipe
             )
         self._write_liveness(pipe, gauges)
 
@@ -146,8 +187,118 @@ class WorkerPresence(RqWorkerRecord):
 
     def leave(self) -> None:
         """rq's death and the liveness hash gone; the counters stay (pool totals outlive it)."""
+        self.stop_heartbeat()
         self.connection.delete(self._k_info)
         self.register_death()
+
+    # -- the heartbeat thread ----------------------------------------------------------------
+
+    def start_heartbeat(self) -> Heartbeat:
+        """Start the thread that beats for this process (once; `progress` feeds it)."""
+        if self.heartbeat_thread is None:
+            self.heartbeat_thread = Heartbeat(self)
+            self.heartbeat_thread.start()
+        return self.heartbeat_thread
+
+    def progress(self) -> None:
+        """The loop went round once: its age starts again from zero."""
+        if self.heartbeat_thread is not None:
+            self.heartbeat_thread.progress()
+
+    def reaped(self) -> bool:
+        """Whether a peer reaped this worker since the last `arrive` (a false death: a stopped
+        process, a loop stuck past stuck_after_s that then went on)."""
+        return self.heartbeat_thread is not None and self.heartbeat_thread.reaped.is_set()
+
+    def stop_heartbeat(self) -> None:
+        if self.heartbeat_thread is not None:
+            self.heartbeat_thread.stop()
+            self.heartbeat_thread = None
+
+
+class Heartbeat(threading.Thread):
+    """The process's heartbeat, beside the loop: a long pass (mx.eval, a tokenizer, a grammar
+    build) cannot stop it, and only a loop stuck for `stuck_after_s` can."""
+
+    def __init__(
+        self,
+        presence: WorkerPresence,
+        interval_s: float = keys.HEARTBEAT_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(name=f"heartbeat-{presence.worker_id}", daemon=True)
+        self.presence = presence
+        self.interval_s = interval_s
+        self.clock = clock
+        self.reaped = threading.Event()  # set when a beat found this worker reaped
+        self._loop_at = clock()
+        self._stop_event = threading.Event()
+        self._keys = [
+            keys.worker_info(presence.worker_id),
+            presence.key,  # rq's worker record (`rq info`)
+            keys.worker_blocks(presence.worker_id, presence.epoch),
+            keys.worker_reaped(presence.worker_id),
+        ]
+        # Its own connection (taken from the pool at the first beat), so a publish or a blocking
+        # dequeue on the loop's never delays a beat.
+        self._conn: redis.Redis | None = None
+
+    def progress(self) -> None:
+        self._loop_at = self.clock()
+
+    def loop_age_s(self) -> float:
+        return max(0.0, self.clock() - self._loop_at)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout=5)
+
+    def run(self) -> None:
+        state = "ok"  # "ok", "slow" (reported), "stuck" (not beating)
+        script: Any = None
+        try:
+            while not self._stop_event.wait(self.interval_s):
+                if self._conn is None:
+                    try:
+                        self._conn = self.presence.connection.client()
+                    except redis.RedisError:
+                        continue  # Redis down: the loop is reconnecting
+                    script = self._conn.register_script(_BEAT_SCRIPT)
+                state = self._beat(self._conn, script, state)
+        finally:
+            if self._conn is not None:
+                self._conn.close()
+
+    def _beat(self, conn: redis.Redis, script: Any, state: str) -> str:
+        age = self.loop_age_s()
+        wid, stuck = self.presence.worker_id, self.presence.stuck_after_s
+        if age >= stuck:
+            if state != "stuck":
+                log.error("worker %s: its loop has not progressed for %.0fs (worker.stuck_after_s "
+                          "%gs): heartbeat stopped, so peers find it dead and fail its jobs",
+                          wid, age, stuck)  # fmt: skip
+            return "stuck"
+        if state == "stuck":
+            log.warning("worker %s: its loop goes on after %.0fs; heartbeat again", wid, age)
+        if age >= DEAD_AFTER_S and state == "ok":
+            log.warning("worker %s: one pass has held its loop for %.0fs; heartbeat goes on, "
+                        "its jobs are lost only past %gs", wid, age, stuck)  # fmt: skip
+            state = "slow"
+        elif age < DEAD_AFTER_S:
+            state = "ok"
+        try:
+            reaped = script(keys=self._keys, args=[keys.LIVENESS_TTL_S, f"{age:.1f}"],
+                            client=conn)  # fmt: skip
+        except redis.RedisError as exc:  # the loop finds a lost Redis itself and reconnects
+            log.debug("heartbeat of %s failed: %s", wid, exc)
+            return state
+        except Exception:  # never let the thread die: a dead heartbeat is a false death
+            log.warning("heartbeat of %s failed", wid, exc_info=True)
+            return state
+        if reaped:
+            self.reaped.set()
+        return state
 
 
 def _pid_alive(pid: int) -> bool:

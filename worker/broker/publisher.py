@@ -1,7 +1,9 @@
 """The worker's one Redis round trip per step.
 
-Each step's pipeline carries: every request's new stream events (XADD; the stream's TTL with its
-first event and then every STREAM_TTL_REFRESH_S, not with every token), the rq bookkeeping of
+Each step's pipeline carries: every request's new stream events (one script per stream: its XADDs
+and its TTL in one atomic write, so no stream ever exists without a TTL, even one a router
+deleted or cut after the request ended; one EXPIRE per stream per step, not per token), the rq
+bookkeeping of
 jobs that ended (as `JobEnd` data), the drained counter deltas (HINCRBY on a hash that never
 expires, so counts never go backwards or vanish with the worker), the last reject, rq's busy
 state, liveness and gauges (at most once a second, through `presence`), and the reads the loop
@@ -10,20 +12,15 @@ needs: cancel flags of running requests, control commands, and how many jobs are
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 
 from shared import keys
-from shared.wire import STREAM_FIELD, ControlCommand, WireError
-from worker.broker.intake import JobEnd, RqIntake, TakenJob
+from shared.wire import ControlCommand, WireError
+from worker.broker.intake import JobEnd, RqIntake, TakenJob, append_events
 from worker.broker.presence import WorkerPresence
-
-# A stream's TTL (keys.REQUEST_TTL_S) is set with its first event and renewed this often while
-# the request runs, so it never lapses mid-stream and a step sends one command per stream, not two.
-STREAM_TTL_REFRESH_S = keys.REQUEST_TTL_S / 4
 
 
 @dataclass
@@ -74,7 +71,6 @@ class Publisher:
 
     def publish(self, writes: StepWrites) -> PublishResult:
         """Send one step's writes and reads in a single pipeline."""
-        now = time.monotonic()
         blocks = keys.worker_blocks(self.presence.worker_id, self.presence.epoch)
         check_index = (
             bool(writes.index) or writes.index_full is not None or (writes.liveness is not None)
@@ -84,12 +80,7 @@ class Publisher:
                 pipe.expire(blocks, keys.LIVENESS_TTL_S)
             _write_index(pipe, blocks, writes)
             for taken, packed in writes.streams:
-                stream = keys.request_stream(taken.id)
-                for data in packed:
-                    pipe.xadd(stream, {STREAM_FIELD: data})
-                if taken.stream_ttl_due <= now:
-                    pipe.expire(stream, keys.REQUEST_TTL_S)
-                    taken.stream_ttl_due = now + STREAM_TTL_REFRESH_S
+                append_events(pipe, keys.request_stream(taken.id), packed)
             for end in writes.ended:
                 self.intake.end(pipe, end)
             for name, delta in writes.counters.items():

@@ -4,9 +4,12 @@ rq alone learns of a dead worker only when that worker's executions stop heartbe
 TTL, EXECUTION_TTL_S, has to outlast any Redis stall), so `rq info` would call its jobs started
 for a minute or more. Every live worker looks at its peers' heartbeats (shared.liveness) on each
 pass; a peer seen dead on DEAD_CONFIRMATIONS passes in a row is reaped once, by whichever live
-worker claims it first: its running jobs are failed (status, FailedJobRegistry, a Result whose
-text starts with WORKER_LOST_MARK, so the router may still run the request again) and its rq
-registration is retired. No stream event is written: the router decides what the client sees.
+worker claims it first: the claim (`keys.worker_reaped`, its value the reaper's id and the
+reason) is the pool's one verdict, which routers read instead of judging heartbeats themselves;
+then its running jobs are failed (status, FailedJobRegistry, a Result whose text starts with
+WORKER_LOST_MARK, so the router may still run the request again) and its rq registration is
+retired. No stream event is written: the router decides what the client sees, and sets each
+request's cancel flag, so a worker that was only stopped drops the request when it goes on.
 """
 
 from __future__ import annotations
@@ -21,7 +24,13 @@ from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry
 
 from shared import keys
-from shared.liveness import DEAD_CONFIRMATIONS, WORKER_LOST_MARK, heartbeat_age_s, read_roster
+from shared.liveness import (
+    DEAD_CONFIRMATIONS,
+    WORKER_LOST_MARK,
+    heartbeat_age_s,
+    read_roster,
+    reaped_value,
+)
 from shared.wire import MsgpackSerializer
 from worker.broker.intake import JobEnd, JobOutcome, RqIntake, TakenJob
 from worker.broker.presence import RqWorkerRecord, WorkerPresence
@@ -64,8 +73,11 @@ class Reaper:
             if now - counted_at >= REAP_INTERVAL_S:
                 seen, counted_at = seen + 1, now
                 self._suspects[wid] = (seen, counted_at)
-            if seen >= DEAD_CONFIRMATIONS and self._claim(wid):
-                failed += self._reap(wid, heartbeat_age_s(pttl))
+            if seen < DEAD_CONFIRMATIONS:
+                continue
+            since = _since(heartbeat_age_s(pttl))
+            if self._claim(wid, since):
+                failed += self._reap(wid, since)
         return failed
 
     def reap_own_past(self) -> list[str]:
@@ -85,13 +97,13 @@ class Reaper:
                 self.intake.end(pipe, JobEnd(taken, JobOutcome.FAILED, error=error), count=False)
             pipe.execute()
 
-    def _claim(self, wid: str) -> bool:
-        return bool(self.r.set(keys.worker_reaped(wid), self.presence.worker_id, nx=True,
+    def _claim(self, wid: str, since: str) -> bool:
+        verdict = reaped_value(self.presence.worker_id, since)
+        return bool(self.r.set(keys.worker_reaped(wid), verdict, nx=True,
                                ex=keys.REAPED_TTL_S))  # fmt: skip
 
-    def _reap(self, wid: str, age: float | None) -> list[str]:
+    def _reap(self, wid: str, since: str) -> list[str]:
         name = keys.rq_worker_name(wid)
-        since = "its liveness key is gone" if age is None else f"no heartbeat for {age:.0f}s"
         error = f"{WORKER_LOST_MARK} worker {wid} stopped while running this job ({since})"
         ended = self._running_on(name, wid)
         if ended:
@@ -137,3 +149,7 @@ class Reaper:
         stale = RqWorkerRecord.find_by_key(key, connection=self.r, serializer=MsgpackSerializer)
         if stale is not None:
             stale.register_death()
+
+
+def _since(age: float | None) -> str:
+    return "its liveness key is gone" if age is None else f"no heartbeat for {age:.0f}s"
