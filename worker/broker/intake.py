@@ -94,20 +94,26 @@ class PoolJob(Job):
 
 
 # One stream's events of a step and its TTL, in one atomic write: a stream is never created (a
-# router may have deleted or cut it after the request ended) without a TTL.
-# KEYS: the stream; ARGV: its TTL, the event field, the packed events.
+# router may have deleted or cut it after the request ended) without a TTL, and never written
+# once the request's cancel flag is up (its router has moved on: a worker that was found dead
+# and goes on, for the step before it notices, writes nothing for nobody).
+# KEYS: the stream, the request's cancel flag; ARGV: its TTL, the event field, the packed events.
 _APPEND_SCRIPT = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
 for i = 3, #ARGV do
   redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[i])
 end
 redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 1
 """
 
 
-def append_events(pipe: Any, stream: str, packed: list[bytes]) -> None:
-    """XADD each packed event to `stream` and set its TTL (keys.REQUEST_TTL_S), atomically."""
+def append_events(pipe: Any, request_id: str, packed: list[bytes]) -> None:
+    """XADD each packed event to the request's stream and set its TTL (keys.REQUEST_TTL_S),
+    atomically, unless its cancel flag is up."""
     if packed:
-        pipe.eval(_APPEND_SCRIPT, 1, stream, keys.REQUEST_TTL_S, STREAM_FIELD, *packed)
+        stream, cancel = keys.request_stream(request_id), keys.request_cancel(request_id)
+        pipe.eval(_APPEND_SCRIPT, 2, stream, cancel, keys.REQUEST_TTL_S, STREAM_FIELD, *packed)
 
 
 def own_queues(connection: redis.Redis, worker_id: str, model_id: str) -> list[Queue]:
@@ -270,7 +276,7 @@ class RqIntake:
         p.zadd(registry.key, {job_id: current_timestamp() + ttl})
         p.lrem(queue.intermediate_queue_key, 0, job_id)
         event = StreamEvent(kind="error", error=reason, error_type="invalid_request_error")
-        append_events(p, keys.request_stream(job_id), [event.to_wire()])
+        append_events(p, job_id, [event.to_wire()])
         if pipe is None:
             p.execute()
 

@@ -80,7 +80,7 @@ class Publisher:
                 pipe.expire(blocks, keys.LIVENESS_TTL_S)
             _write_index(pipe, blocks, writes)
             for taken, packed in writes.streams:
-                append_events(pipe, keys.request_stream(taken.id), packed)
+                append_events(pipe, taken.id, packed)
             for end in writes.ended:
                 self.intake.end(pipe, end)
             for name, delta in writes.counters.items():
