@@ -6,6 +6,7 @@ even two differ); a real worker reports the verdict in its info hash, the router
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from router.cache_stats import read_pool, register_pool_script
 from shared import keys
 from shared.cache_stats import merge_pool
 from shared.config import WorkerConfig
+from tests.test_model_zoo import cpu_ops_installed
 from worker.engine.batch_invariance import (
     UNCHECKED,
     BatchInvariance,
@@ -29,15 +31,15 @@ from worker.engine.batch_invariance import (
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tiny_model_dir: Path) -> Any:
-    """The tiny model as a worker runs it (with the CPU ops installed)."""
+def tiny_model(tiny_model_dir: Path) -> Iterator[Any]:
+    """The tiny model as a worker runs it (with the CPU ops installed, and put back after the
+    module: they replace functions of mlx-lm's model modules, which other tests check)."""
     from mlx_lm import load
 
-    from worker.mlx_cpu import cpu_ops
-
     model, _ = load(str(tiny_model_dir))
-    cpu_ops.install(model)
-    return model
+    with pytest.MonkeyPatch.context() as mp:
+        cpu_ops_installed(mp, model)
+        yield model
 
 
 class BatchSkewed:
