@@ -62,15 +62,25 @@ def fill_workers(r: redis.Redis, n: int) -> None:
             )
             p.hset(keys.worker_info(wid), mapping=info)
             p.expire(keys.worker_info(wid), 3600)
-        p.execute()  # fmt: skip
+        p.execute()
 
 
 def start_router(redis_url: str, model_dir: Path, port: int, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "REDIS_URL": redis_url, "MLXCEL_MODEL": str(model_dir),
-           "MLXCEL_PORT": str(port), "MLXCEL_ROUTER_PROCESSES": "1",
-           "PROMETHEUS_MULTIPROC_DIR": str(log.parent / "prom")}  # fmt: skip
-    return subprocess.Popen([sys.executable, "-m", "router"], env=env, cwd=REPO,
-                            stdout=log.open("w"), stderr=subprocess.STDOUT)  # fmt: skip
+    env = {
+        **os.environ,
+        "REDIS_URL": redis_url,
+        "MLXCEL_MODEL": str(model_dir),
+        "MLXCEL_PORT": str(port),
+        "MLXCEL_ROUTER_PROCESSES": "1",
+        "PROMETHEUS_MULTIPROC_DIR": str(log.parent / "prom"),
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "router"],
+        env=env,
+        cwd=REPO,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -153,11 +163,15 @@ def main() -> int:
 
     p50 = statistics.median(http_ms)
     print(f"workers with hashes present: {args.workers}; requests: {n_req}")
-    print(f"GET /v1/cache/stats  p50 {p50:.2f} ms  p95 {percentile(http_ms, 0.95):.2f} ms  "
-          f"max {max(http_ms):.2f} ms")  # fmt: skip
+    print(
+        f"GET /v1/cache/stats  p50 {p50:.2f} ms  p95 {percentile(http_ms, 0.95):.2f} ms  "
+        f"max {max(http_ms):.2f} ms"
+    )
     print(f"GET /v1/models       p50 {statistics.median(floor_ms):.2f} ms  (HTTP floor: no Redis)")
-    print(f"Lua pool read alone  p50 {statistics.median(lua_ms):.2f} ms  "
-          f"p95 {percentile(lua_ms, 0.95):.2f} ms")  # fmt: skip
+    print(
+        f"Lua pool read alone  p50 {statistics.median(lua_ms):.2f} ms  "
+        f"p95 {percentile(lua_ms, 0.95):.2f} ms"
+    )
     print(f"server time in the script: {(u1 - u0) / max(1, s1 - s0) / 1000:.2f} ms per request")
     print(
         f"Redis scripts per request: {(s1 - s0) / n_req:.2f}  "

@@ -51,10 +51,16 @@ from tests.pool_fixture import running_pool
 
 WORKERS = ("w1", "w2")
 # Prompts the tiny model does not end early, so a fault lands mid-stream, not between requests.
-PROMPTS = [("The quick brown fox", 64), ("1, 2, 3, 4, 5,", 96), ("import numpy as np\n", 64),
-           ("The capital of France is", 48), ("In the beginning there was", 80),
-           ("Redis is an in-memory data store that", 96), ("Once upon a time", 32),
-           ("def fibonacci(n):", 72)]  # fmt: skip
+PROMPTS = [
+    ("The quick brown fox", 64),
+    ("1, 2, 3, 4, 5,", 96),
+    ("import numpy as np\n", 64),
+    ("The capital of France is", 48),
+    ("In the beginning there was", 80),
+    ("Redis is an in-memory data store that", 96),
+    ("Once upon a time", 32),
+    ("def fibonacci(n):", 72),
+]
 PROBE = ("Dear diary,", 4)
 # The codes a fault may end a request with (docs/architecture.md, "Faults"): Redis lost, the
 # stream lost events, or its worker died after tokens reached the client.
@@ -71,7 +77,13 @@ HUNG_AFTER_S = 30.0
 RETRY_AFTER_S = 0.5  # a client's pause after a failure (a 503 says Retry-After: 1)
 
 CORRECT, WRONG, CLEAN, SERVER_ERROR, HUNG, OTHER = (
-    "correct", "wrong", "clean", "5xx-other", "hung", "other")  # fmt: skip
+    "correct",
+    "wrong",
+    "clean",
+    "5xx-other",
+    "hung",
+    "other",
+)
 KINDS = (CORRECT, CLEAN, WRONG, SERVER_ERROR, HUNG, OTHER)
 
 
@@ -128,8 +140,13 @@ class Outcome:
 
 def _body(model: str, ref: Ref | tuple[str, int], stream: bool) -> dict[str, Any]:
     prompt, max_tokens = (ref.prompt, ref.max_tokens) if isinstance(ref, Ref) else ref
-    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                            "temperature": 0, "stream": stream}  # fmt: skip
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+    }
     if stream:
         body["stream_options"] = {"include_usage": True}
     return body
@@ -232,9 +249,14 @@ def both_workers_current(pool: Pool, body: dict[str, Any] | None) -> bool:
 
 
 async def wait_cleared(
-    pool: Pool, http: aiohttp.ClientSession, model: str, probe: Ref,
-    replaced: dict[str, int], deadline: float, wrong: list[str],
-) -> float | None:  # fmt: skip
+    pool: Pool,
+    http: aiohttp.ClientSession,
+    model: str,
+    probe: Ref,
+    replaced: dict[str, int],
+    deadline: float,
+    wrong: list[str],
+) -> float | None:
     """perf_counter time at which the fault cleared (None: not by `deadline`): every child in
     `replaced` runs under a new pid, both workers are live, and a probe gets its reference."""
     while time.perf_counter() < deadline:
@@ -461,9 +483,13 @@ async def references(http: aiohttp.ClientSession, model: str) -> list[Ref]:
 
 
 async def client_loop(
-    http: aiohttp.ClientSession, model: str, run: Run, plan: Plan, rng: random.Random,
+    http: aiohttp.ClientSession,
+    model: str,
+    run: Run,
+    plan: Plan,
+    rng: random.Random,
     stop: asyncio.Event,
-) -> None:  # fmt: skip
+) -> None:
     prompts = run.refs[: len(PROMPTS)]
     while not stop.is_set() and run.started < plan.max_requests:
         run.started += 1
@@ -474,8 +500,11 @@ async def client_loop(
         gap = reply.max_gap if isinstance(reply, Reply) else 0.0
         run.outcomes.append(Outcome(start, time.perf_counter(), i, stream, kind, why, gap))
         if kind != CORRECT:
-            print(f"  [{start - run.t0:6.1f}s] {kind}: {why} (prompt {i}, "
-                  f"{'streamed' if stream else 'not streamed'})", file=sys.stderr)  # fmt: skip
+            print(
+                f"  [{start - run.t0:6.1f}s] {kind}: {why} (prompt {i}, "
+                f"{'streamed' if stream else 'not streamed'})",
+                file=sys.stderr,
+            )
             await asyncio.sleep(RETRY_AFTER_S)
 
 
@@ -495,9 +524,12 @@ async def chaos(pool: Pool, plan: Plan, seed: int) -> Run:
         refs = await references(http, model)
         run = Run(time.perf_counter(), refs)
         stop = asyncio.Event()
-        loops = [asyncio.create_task(client_loop(http, model, run, plan,
-                                                 random.Random(seed * 1000 + i), stop))
-                 for i in range(plan.clients)]  # fmt: skip
+        loops = [
+            asyncio.create_task(
+                client_loop(http, model, run, plan, random.Random(seed * 1000 + i), stop)
+            )
+            for i in range(plan.clients)
+        ]
         await asyncio.sleep(plan.warmup_s)
         for fault in fault_plan(plan):
             if fault.empties_redis:
@@ -506,8 +538,15 @@ async def chaos(pool: Pool, plan: Plan, seed: int) -> Run:
             print(f"  [{injected - run.t0:6.1f}s] {fault.name}", file=sys.stderr)
             replaced = await fault.inject(pool)
             ended = time.perf_counter()
-            cleared = await wait_cleared(pool, http, model, run.refs[-1], replaced,
-                                         ended + plan.clear_timeout_s, run.probe_wrong)  # fmt: skip
+            cleared = await wait_cleared(
+                pool,
+                http,
+                model,
+                run.refs[-1],
+                replaced,
+                ended + plan.clear_timeout_s,
+                run.probe_wrong,
+            )
             run.faults.append(FaultResult(fault.name, injected, ended, cleared))
             took = f"{cleared - injected:.1f}s" if cleared else "NOT cleared"
             print(f"  [{time.perf_counter() - run.t0:6.1f}s] cleared: {took}", file=sys.stderr)
@@ -534,8 +573,9 @@ async def request_phase(
         answer = await fault.send(http, model, pool.redis_url)
         ended = time.perf_counter()
         print(f"  [{ended - run.t0:6.1f}s] answered: {answer}", file=sys.stderr)
-        cleared = await wait_cleared(pool, http, model, run.refs[-1], {},
-                                     ended + plan.clear_timeout_s, run.probe_wrong)  # fmt: skip
+        cleared = await wait_cleared(
+            pool, http, model, run.refs[-1], {}, ended + plan.clear_timeout_s, run.probe_wrong
+        )
         run.faults.append(FaultResult(fault.name, injected, ended, cleared, True, answer))
         await asyncio.sleep(plan.gap_s)
     run.restarted_in_request_faults = [w for w in WORKERS if pool.pid(w) != pids[w]]
@@ -558,14 +598,20 @@ def phase_of(o: Outcome, faults: list[FaultResult]) -> str:
 
 
 def print_report(run: Run, plan: Plan, retried: int, restarts: list[str], failure: str) -> bool:
-    rows = [[f.name, f"{f.injected - run.t0:.1f}",
-             f"{f.cleared - f.injected:.1f}" if f.cleared else "NOT cleared",
-             f"{f.cleared - f.ended:.1f}" if f.cleared else "-"]
-            for f in run.faults]  # fmt: skip
+    rows = [
+        [
+            f.name,
+            f"{f.injected - run.t0:.1f}",
+            f"{f.cleared - f.injected:.1f}" if f.cleared else "NOT cleared",
+            f"{f.cleared - f.ended:.1f}" if f.cleared else "-",
+        ]
+        for f in run.faults
+    ]
     print(table(["fault", "at s", "time to clear s", "after it ended s"], rows))
     phases = ["steady", *(f.name for f in run.faults)]
-    by_phase = {p: Counter(o.kind for o in run.outcomes if phase_of(o, run.faults) == p)
-                for p in phases}  # fmt: skip
+    by_phase = {
+        p: Counter(o.kind for o in run.outcomes if phase_of(o, run.faults) == p) for p in phases
+    }
     print()
     phase_rows = [[p, sum(c.values()), *(c[k] for k in KINDS)] for p, c in by_phase.items()]
     print(table(["requests by phase", "total", *KINDS], phase_rows))
@@ -574,19 +620,25 @@ def print_report(run: Run, plan: Plan, retried: int, restarts: list[str], failur
     wrong = kinds[WRONG] + len(run.probe_wrong)
     streamed = sum(o.stream for o in run.outcomes)
     print()
-    print(f"requests total      {len(run.outcomes)} ({streamed} streamed, "
-          f"{len(run.outcomes) - streamed} not)")  # fmt: skip
+    print(
+        f"requests total      {len(run.outcomes)} ({streamed} streamed, "
+        f"{len(run.outcomes) - streamed} not)"
+    )
     slowest = max((o.end - o.start for o in run.outcomes if o.kind == CORRECT), default=0.0)
     print(f"completed-correct   {kinds[CORRECT]} (slowest {slowest:.1f} s)")
     print(f"retried             {retried} (router log: 'enqueued again')")
-    print(f"failed cleanly      {kinds[CLEAN]}"
-          + "".join(f"; {why} {n}" for why, n in sorted(clean.items())))  # fmt: skip
+    print(
+        f"failed cleanly      {kinds[CLEAN]}"
+        + "".join(f"; {why} {n}" for why, n in sorted(clean.items()))
+    )
     print(f"wrong               {wrong}" + (" (probes included)" if run.probe_wrong else ""))
     print(f"5xx-other           {kinds[SERVER_ERROR]}")
     print(f"hung                {kinds[HUNG]} (client timeout {plan.request_timeout_s:g} s)")
     print(f"other               {kinds[OTHER]} (4xx, connection errors, truncated streams)")
-    print(f"keys without TTL    {len(run.stray_keys)}"
-          + "".join(f"\n  {k}" for k in sorted(run.stray_keys)))  # fmt: skip
+    print(
+        f"keys without TTL    {len(run.stray_keys)}"
+        + "".join(f"\n  {k}" for k in sorted(run.stray_keys))
+    )
     for kind in (WRONG, SERVER_ERROR, OTHER):
         examples = Counter(o.why for o in run.outcomes if o.kind == kind)
         for why, n in examples.most_common(5):
@@ -599,8 +651,10 @@ def print_report(run: Run, plan: Plan, retried: int, restarts: list[str], failur
     expected = len(fault_plan(plan)) + len(request_faults())
     all_cleared = len(run.faults) == expected and all(f.cleared for f in run.faults)
     met = all_cleared and not (wrong or kinds[HUNG] or kinds[SERVER_ERROR] or run.stray_keys)
-    print(f"goal: 0 wrong, 0 hung, 0 5xx other than documented 503s, 0 keys without TTL, every "
-          f"fault cleared -> {'MET' if met else 'MISSED'}")  # fmt: skip
+    print(
+        f"goal: 0 wrong, 0 hung, 0 5xx other than documented 503s, 0 keys without TTL, every "
+        f"fault cleared -> {'MET' if met else 'MISSED'}"
+    )
     return met and print_request_faults(run)
 
 
@@ -668,10 +722,12 @@ def main(argv: list[str] | None = None) -> int:
     plan = Plan.of(args)
     announce()
     model_dir = tiny_model_dir()
-    print(f"# model {model_dir.name}; 2 workers, 1 router process, supervised (restart backoff "
-          f"0.2 s); {plan.clients} clients, random prompt of {len(PROMPTS)}, streamed or not; "
-          f"steady load {plan.warmup_s:g} s before and {plan.gap_s:g} s after each fault",
-          flush=True)  # fmt: skip
+    print(
+        f"# model {model_dir.name}; 2 workers, 1 router process, supervised (restart backoff "
+        f"0.2 s); {plan.clients} clients, random prompt of {len(PROMPTS)}, streamed or not; "
+        f"steady load {plan.warmup_s:g} s before and {plan.gap_s:g} s after each fault",
+        flush=True,
+    )
     restarts: list[str] = []
     failure: list[str] = []
     with tempfile.TemporaryDirectory(prefix="mlxcel-chaos-") as tmp:
@@ -688,9 +744,17 @@ def main(argv: list[str] | None = None) -> int:
             tracebacks = {n: pool.logs(n).count("Traceback") for n in ("router", *WORKERS)}
         print(f"  logs in {work / 'logs'}; tracebacks: {tracebacks}", file=sys.stderr)
     met = print_report(run, plan, retried, restarts, "; ".join(failure))
-    write_json(args.json, {"plan": plan, "goal_met": met, "retried": retried,
-                           "faults": run.faults, "stray_keys": sorted(run.stray_keys),
-                           "outcomes": run.outcomes})  # fmt: skip
+    write_json(
+        args.json,
+        {
+            "plan": plan,
+            "goal_met": met,
+            "retried": retried,
+            "faults": run.faults,
+            "stray_keys": sorted(run.stray_keys),
+            "outcomes": run.outcomes,
+        },
+    )
     return 0
 
 

@@ -60,11 +60,18 @@ WINDOW = 256
 
 # Falcon-H1 scaled to the bench model's cost class (attention and Mamba-2 in every layer).
 HYBRID_SIZE = {
-    "hidden_size": 512, "num_hidden_layers": 8, "intermediate_size": 1344,
-    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
-    "mamba_d_ssm": 512, "mamba_n_heads": 8, "mamba_d_head": 64, "mamba_d_state": 16,
+    "hidden_size": 512,
+    "num_hidden_layers": 8,
+    "intermediate_size": 1344,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "mamba_d_ssm": 512,
+    "mamba_n_heads": 8,
+    "mamba_d_head": 64,
+    "mamba_d_state": 16,
     "mamba_chunk_size": 128,
-}  # fmt: skip
+}
 
 
 def swa_model(bench_dir: Path) -> Path:
@@ -99,8 +106,7 @@ def exactness(side: Side, model_dir: Path, prompts: list[list[int]]) -> list[boo
         want = "".join(
             r.text for r in stream_generate(model, tokenizer, prompt, max_tokens=EXACT_TOKENS)
         )
-        body = {"model": side.model, "prompt": prompt, "max_tokens": EXACT_TOKENS,
-                "temperature": 0}  # fmt: skip
+        body = {"model": side.model, "prompt": prompt, "max_tokens": EXACT_TOKENS, "temperature": 0}
         got = httpx.post(f"{side.url}/v1/completions", json=body, timeout=300).json()
         same.append(got["choices"][0]["text"] == want)
     return same
@@ -113,8 +119,10 @@ def run_model(kind: str, model_dir: Path, texts: Texts, every: int | None) -> di
         pool_side(model_dir, env) as pool_url,
         mlx_lm_server(model_dir, ["--max-tokens", "256"]) as server_url,
     ):
-        sides = [Side("pool", pool_url, model_dir.name), Side("mlx_lm.server", server_url,
-                                                              "default_model")]  # fmt: skip
+        sides = [
+            Side("pool", pool_url, model_dir.name),
+            Side("mlx_lm.server", server_url, "default_model"),
+        ]
         for side in sides:  # load, compile, first allocations
             complete(side, texts.suffix(1), 4)
         ttft = ttft_part(sides, texts)
@@ -128,26 +136,40 @@ def run_model(kind: str, model_dir: Path, texts: Texts, every: int | None) -> di
     entries = stats.get("checkpoint_entries") or 0
     per_checkpoint = stats.get("checkpoint_bytes", 0) / entries if entries else 0.0
     return {
-        "kind": kind, "model": model_dir.name, "ttft": ttft, "chat": chat, "exact": exact,
-        "checkpoint_entries": entries, "bytes_per_checkpoint": per_checkpoint,
-        "checkpoint_hits": stats.get("checkpoint_hits"), "cacheability": stats.get("cacheability"),
+        "kind": kind,
+        "model": model_dir.name,
+        "ttft": ttft,
+        "chat": chat,
+        "exact": exact,
+        "checkpoint_entries": entries,
+        "bytes_per_checkpoint": per_checkpoint,
+        "checkpoint_hits": stats.get("checkpoint_hits"),
+        "cacheability": stats.get("cacheability"),
         "checkpoint_tokens": stats.get("checkpoint_tokens"),
-    }  # fmt: skip
+    }
 
 
 def print_model(result: dict[str, Any], plan: Any) -> None:
     every = result["checkpoint_tokens"]
-    print(f"\n## {result['kind']}: {result['model']} ({result['cacheability']}, "
-          f"pool checkpoint every {every} tokens)")  # fmt: skip
+    print(
+        f"\n## {result['kind']}: {result['model']} ({result['cacheability']}, "
+        f"pool checkpoint every {every} tokens)"
+    )
     print(
         f"\n1. TTFT, ~{plan.prompt_tokens}-token prompt sharing all but ~{SUFFIX_TOKENS} tokens "
         f"(median of {plan.repeats} distinct prefixes)"
     )
     rows = [
-        [name, s["cold_ms"], s["warm_ms"], ratio(s["warm_ms"], s["cold_ms"]),
-         _span(s["warm_cached"]), _span(s["prompt_tokens"])]
+        [
+            name,
+            s["cold_ms"],
+            s["warm_ms"],
+            ratio(s["warm_ms"], s["cold_ms"]),
+            _span(s["warm_cached"]),
+            _span(s["prompt_tokens"]),
+        ]
         for name, s in result["ttft"].items()
-    ]  # fmt: skip
+    ]
     print(table(["side", "cold ms", "warm ms", "warm/cold", "warm cached", "prompt"], rows))
     print_chat(result["chat"], plan)
     pool = result["ttft"]["pool"]

@@ -180,8 +180,14 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def _body(model: str) -> dict[str, Any]:
-    return {"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    return {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
 async def _read_stream(resp: aiohttp.ClientResponse, start: float) -> Reply:
@@ -336,8 +342,10 @@ async def floor_ttfts(http: aiohttp.ClientSession, model: str, plan: Plan) -> li
     the TTFT the accepted requests of a flood would have if every refusal cost the router
     nothing but its HTTP exchange (and the client, on the same cores, its requests)."""
     sends = [send(http, model, plan.request_timeout_s) for _ in range(plan.bound)]
-    sends += [send(http, model, plan.request_timeout_s, NO_ROUTE)
-              for _ in range(max(0, plan.flood - plan.bound))]  # fmt: skip
+    sends += [
+        send(http, model, plan.request_timeout_s, NO_ROUTE)
+        for _ in range(max(0, plan.flood - plan.bound))
+    ]
     replies = await asyncio.gather(*sends)
     return [r.ttft for r in replies[: plan.bound] if r.kind == ACCEPTED and r.ttft is not None]
 
@@ -454,12 +462,40 @@ def print_round(rnd: Round, plan: Plan) -> None:
     tokens_range = f"{min(tokens, default=0)}..{max(tokens, default=0)}"
     totals = [r.total for r in accepted if r.total is not None]
     refused_in = [r.answered for r in rejected]
-    rows = [[len(rnd.replies), len(accepted), len(rejected), len(other), _ms(ttfts, 50),
-             _ms(ttfts, 99), _ms(totals, 50), _ms(refused_in, 50), _ms(refused_in, 99),
-             tokens_range, f"{rnd.wall_s:.1f}"]]  # fmt: skip
+    rows = [
+        [
+            len(rnd.replies),
+            len(accepted),
+            len(rejected),
+            len(other),
+            _ms(ttfts, 50),
+            _ms(ttfts, 99),
+            _ms(totals, 50),
+            _ms(refused_in, 50),
+            _ms(refused_in, 99),
+            tokens_range,
+            f"{rnd.wall_s:.1f}",
+        ]
+    ]
     print(f"round {rnd.number}")
-    print(table(["sent", "accepted", "429", "other", "TTFT p50 ms", "TTFT p99 ms",
-                 "done p50 ms", "429 p50 ms", "429 p99 ms", "tokens", "wall s"], rows))  # fmt: skip
+    print(
+        table(
+            [
+                "sent",
+                "accepted",
+                "429",
+                "other",
+                "TTFT p50 ms",
+                "TTFT p99 ms",
+                "done p50 ms",
+                "429 p50 ms",
+                "429 p99 ms",
+                "tokens",
+                "wall s",
+            ],
+            rows,
+        )
+    )
     print(f"429 Retry-After values: {', '.join(retry_after) or '-'}")
     for why, n in Counter(f"{r.status} {r.why}" for r in other).most_common(3):
         print(f"  other x{n}: {why}")
@@ -467,9 +503,11 @@ def print_round(rnd: Round, plan: Plan) -> None:
     max_shared = max((s.shared for s in samples), default=0)
     max_workers = [max((s.per_worker[i] for s in samples), default=0) for i in range(len(WORKERS))]
     max_inflight = max((s.inflight for s in samples), default=0)
-    print(f"queue depth max: shared {max_shared}, "
-          + ", ".join(f"{w} {d}" for w, d in zip(WORKERS, max_workers, strict=True))
-          + f"; in flight max {max_inflight} (bound {plan.bound})")  # fmt: skip
+    print(
+        f"queue depth max: shared {max_shared}, "
+        + ", ".join(f"{w} {d}" for w, d in zip(WORKERS, max_workers, strict=True))
+        + f"; in flight max {max_inflight} (bound {plan.bound})"
+    )
     print(f"s:queued/in flight ({len(samples)} samples): {_series(samples)}")
     print(f"redis keys after the round: {rnd.redis_keys}")
     print()
@@ -488,8 +526,13 @@ def rss_rows(run: Run) -> tuple[list[str], list[list[Any]], dict[str, float]]:
         first, last = values[1], values[-1]
         if first is not None and last is not None:
             growth[name] = last - first
-        rows.append([name, *(f"{v:.1f}" if v is not None else "-" for v in values),
-                     f"{growth[name]:+.1f}" if name in growth else "-"])  # fmt: skip
+        rows.append(
+            [
+                name,
+                *(f"{v:.1f}" if v is not None else "-" for v in values),
+                f"{growth[name]:+.1f}" if name in growth else "-",
+            ]
+        )
     return headers, rows, growth
 
 
@@ -501,15 +544,19 @@ def grew(name: str, growth: float, run: Run) -> bool:
 def print_report(run: Run, plan: Plan) -> bool:
     lone = median(run.lone_ttfts)
     low, high = min(run.lone_ttfts) * 1000, max(run.lone_ttfts) * 1000
-    print(f"lone request TTFT: median {lone * 1000:.0f} ms over {len(run.lone_ttfts)} "
-          f"(min {low:.0f}, max {high:.0f})")  # fmt: skip
+    print(
+        f"lone request TTFT: median {lone * 1000:.0f} ms over {len(run.lone_ttfts)} "
+        f"(min {low:.0f}, max {high:.0f})"
+    )
     print()
     for rnd in run.rounds:
         print_round(rnd, plan)
     headers, rows, growth = rss_rows(run)
     print(table(headers, rows))
-    print(f"(after each round, once nothing is in flight or queued, +{SETTLE_S:g} s; redis is "
-          "shown, not judged)")  # fmt: skip
+    print(
+        f"(after each round, once nothing is in flight or queued, +{SETTLE_S:g} s; redis is "
+        "shown, not judged)"
+    )
     print()
     others = sum(len(r.of_kind(OTHER)) for r in run.rounds)
     worst_p99 = max((percentile(r.ttfts(), 99) for r in run.rounds), default=float("nan"))
@@ -517,36 +564,50 @@ def print_report(run: Run, plan: Plan) -> bool:
     judged = {n: g for n, g in growth.items() if not n.startswith(REDIS)}
     growing = [n for n, g in judged.items() if grew(n, g, run)]
     totals = Counter(r.kind for rnd in run.rounds for r in rnd.replies)
-    print(f"requests            {sum(totals.values())}: accepted {totals[ACCEPTED]}, "
-          f"429 {totals[REJECTED]}, other {totals[OTHER]}")  # fmt: skip
+    print(
+        f"requests            {sum(totals.values())}: accepted {totals[ACCEPTED]}, "
+        f"429 {totals[REJECTED]}, other {totals[OTHER]}"
+    )
     print(f"errors other than 429  {others}")
-    print(f"p99 TTFT accepted / lone TTFT  {ttft_ratio:.2f} (worst round p99 "
-          f"{worst_p99 * 1000:.0f} ms, lone {lone * 1000:.0f} ms; bound {plan.bound})")  # fmt: skip
+    print(
+        f"p99 TTFT accepted / lone TTFT  {ttft_ratio:.2f} (worst round p99 "
+        f"{worst_p99 * 1000:.0f} ms, lone {lone * 1000:.0f} ms; bound {plan.bound})"
+    )
     at_bound = percentile(run.at_bound_ttfts, 99)
-    print(f"p99 TTFT accepted / p99 of {plan.bound} requests at once without a flood  "
-          f"{worst_p99 / at_bound:.2f} ({at_bound * 1000:.0f} ms: what admission can at best "
-          f"keep; {len(run.at_bound_ttfts)} of {plan.bound} accepted)")  # fmt: skip
+    print(
+        f"p99 TTFT accepted / p99 of {plan.bound} requests at once without a flood  "
+        f"{worst_p99 / at_bound:.2f} ({at_bound * 1000:.0f} ms: what admission can at best "
+        f"keep; {len(run.at_bound_ttfts)} of {plan.bound} accepted)"
+    )
     floor = percentile(run.floor_ttfts, 99)
-    print(f"floor: p99 TTFT of {plan.bound} requests beside {plan.flood - plan.bound} the router "
-          f"answers 404 (no admission)  {floor * 1000:.0f} ms = {floor / lone:.2f}x lone "
-          f"({len(run.floor_ttfts)} of {plan.bound} accepted): the least a flood of this size "
-          "costs the accepted here, whatever admission does")  # fmt: skip
+    print(
+        f"floor: p99 TTFT of {plan.bound} requests beside {plan.flood - plan.bound} the router "
+        f"answers 404 (no admission)  {floor * 1000:.0f} ms = {floor / lone:.2f}x lone "
+        f"({len(run.floor_ttfts)} of {plan.bound} accepted): the least a flood of this size "
+        "costs the accepted here, whatever admission does"
+    )
     if run.sustained is not None:
         sus = run.sustained
         per = sus.router_cpu_s / max(1, sum(sus.statuses.values())) * 1000
-        print(f"sustained overload ({SUSTAINED_CLIENTS} clients, closed loop, pool held full, "
-              f"{sus.seconds:.1f} s): {sus.refused / sus.seconds:.0f} refusals/s, statuses "
-              f"{dict(sorted(sus.statuses.items()))}, router CPU {per:.2f} ms a request "
-              f"(busy hold {plan.busy_hold_ms if plan.busy_hold_ms is not None else 'default'} "
-              "ms)")  # fmt: skip
-    print("RSS growth round 1 -> last: "
-          + ", ".join(f"{n} {g:+.1f} MiB" for n, g in judged.items())
-          + f" (tolerance max({GROWTH_TOLERANCE_MIB:g} MiB, "
-          f"{GROWTH_TOLERANCE_FRACTION:.0%}))")  # fmt: skip
+        print(
+            f"sustained overload ({SUSTAINED_CLIENTS} clients, closed loop, pool held full, "
+            f"{sus.seconds:.1f} s): {sus.refused / sus.seconds:.0f} refusals/s, statuses "
+            f"{dict(sorted(sus.statuses.items()))}, router CPU {per:.2f} ms a request "
+            f"(busy hold {plan.busy_hold_ms if plan.busy_hold_ms is not None else 'default'} "
+            "ms)"
+        )
+    print(
+        "RSS growth round 1 -> last: "
+        + ", ".join(f"{n} {g:+.1f} MiB" for n, g in judged.items())
+        + f" (tolerance max({GROWTH_TOLERANCE_MIB:g} MiB, "
+        f"{GROWTH_TOLERANCE_FRACTION:.0%}))"
+    )
     met = others == 0 and ttft_ratio <= 2.0 and not growing and len(run.rounds) == plan.rounds
-    print(f"goal: 0 errors other than 429 ({others}), p99 TTFT accepted <= 2x lone "
-          f"({ttft_ratio:.2f}x), no RSS growth in router or workers "
-          f"({', '.join(growing) or 'none grew'}) -> {'MET' if met else 'MISSED'}")  # fmt: skip
+    print(
+        f"goal: 0 errors other than 429 ({others}), p99 TTFT accepted <= 2x lone "
+        f"({ttft_ratio:.2f}x), no RSS growth in router or workers "
+        f"({', '.join(growing) or 'none grew'}) -> {'MET' if met else 'MISSED'}"
+    )
     return met
 
 
@@ -555,11 +616,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="150 requests a round, 5 lone ones")
     p.add_argument("--flood", type=int, default=0, help="requests per round (300; quick 150)")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--bound", type=int, default=0,
-                   help="MLXCEL_MAX_INFLIGHT (default: 2 workers x --batch-size)")  # fmt: skip
+    p.add_argument(
+        "--bound",
+        type=int,
+        default=0,
+        help="MLXCEL_MAX_INFLIGHT (default: 2 workers x --batch-size)",
+    )
     p.add_argument("--batch-size", type=int, default=32, help="MLXCEL_BATCH_SIZE per worker")
-    p.add_argument("--busy-hold-ms", type=float, default=None,
-                   help="MLXCEL_BUSY_HOLD_MS (default: the pool's)")  # fmt: skip
+    p.add_argument(
+        "--busy-hold-ms", type=float, default=None, help="MLXCEL_BUSY_HOLD_MS (default: the pool's)"
+    )
     output_args(p, "write every reply and sample here")
     return p.parse_args(argv)
 
@@ -570,23 +636,35 @@ def main(argv: list[str] | None = None) -> int:
     announce()
     model_dir = tiny_model_dir()
     env = plan.env()
-    print(f"# model {model_dir.name}; {len(WORKERS)} workers, 1 router process; "
-          f"{' '.join(f'{k}={v}' for k, v in env.items())}; {plan.flood} streams at once per "
-          f"round x {plan.rounds} rounds, prompt {PROMPT!r}, max_tokens {MAX_TOKENS}, client "
-          f"timeout {plan.request_timeout_s:g} s", flush=True)  # fmt: skip
+    print(
+        f"# model {model_dir.name}; {len(WORKERS)} workers, 1 router process; "
+        f"{' '.join(f'{k}={v}' for k, v in env.items())}; {plan.flood} streams at once per "
+        f"round x {plan.rounds} rounds, prompt {PROMPT!r}, max_tokens {MAX_TOKENS}, client "
+        f"timeout {plan.request_timeout_s:g} s",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory(prefix="mlxcel-flood-") as tmp:
         work = Path(args.work_dir) if args.work_dir else Path(tmp)
-        with running_pool(model_dir, work, workers=len(WORKERS), env=env,
-                          overrides=OVERRIDES) as pool:  # fmt: skip
+        with running_pool(
+            model_dir, work, workers=len(WORKERS), env=env, overrides=OVERRIDES
+        ) as pool:
             run = asyncio.run(flood(pool, plan))
             tracebacks = {n: pool.logs(n).count("Traceback") for n in ("router", *WORKERS)}
         print(f"  logs in {work / 'logs'}; tracebacks: {tracebacks}", file=sys.stderr)
     met = print_report(run, plan)
-    write_json(args.json, {"plan": plan, "goal_met": met, "lone_ttfts": run.lone_ttfts,
-                           "at_bound_ttfts": run.at_bound_ttfts,
-                           "floor_ttfts": run.floor_ttfts, "sustained": run.sustained,
-                           "baseline_rss_mib": run.baseline_rss_mib,
-                           "rounds": run.rounds})  # fmt: skip
+    write_json(
+        args.json,
+        {
+            "plan": plan,
+            "goal_met": met,
+            "lone_ttfts": run.lone_ttfts,
+            "at_bound_ttfts": run.at_bound_ttfts,
+            "floor_ttfts": run.floor_ttfts,
+            "sustained": run.sustained,
+            "baseline_rss_mib": run.baseline_rss_mib,
+            "rounds": run.rounds,
+        },
+    )
     return 0
 
 

@@ -101,8 +101,13 @@ class Sampling:
         """The request as the worker would receive it from the router."""
         bias = self.fields.get("logit_bias", {})
         fields = {**self.fields, "logit_bias": {int(t): float(b) for t, b in bias.items()}}
-        return GenerationRequest(request_id=f"bench-{i}", model="bench", prompt_tokens=prompt,
-                                 max_tokens=max_tokens, **fields)  # fmt: skip
+        return GenerationRequest(
+            request_id=f"bench-{i}",
+            model="bench",
+            prompt_tokens=prompt,
+            max_tokens=max_tokens,
+            **fields,
+        )
 
 
 @dataclass
@@ -144,26 +149,32 @@ class Engine:
 
     def settings(self) -> str:
         c = self.cfg
-        return (f"batch_size={c.batch_size} prefill_batch_size={c.prefill_batch_size} "
-                f"prefill_step_size={c.prefill_step_size} "
-                f"cpu_ops={','.join(self.cpu_ops) or 'mlx'}")  # fmt: skip
+        return (
+            f"batch_size={c.batch_size} prefill_batch_size={c.prefill_batch_size} "
+            f"prefill_step_size={c.prefill_step_size} "
+            f"cpu_ops={','.join(self.cpu_ops) or 'mlx'}"
+        )
 
     def run(self, prompts: list[list[int]], max_tokens: int, sampling: Sampling) -> Measurement:
         from mlx_lm.generate import BatchGenerator
 
         c = self.cfg
-        gen = BatchGenerator(self.model, max_tokens=max_tokens,
-                             stop_tokens=[[t] for t in self.eos],
-                             completion_batch_size=c.batch_size,
-                             prefill_batch_size=min(c.prefill_batch_size, c.batch_size),
-                             prefill_step_size=c.prefill_step_size)  # fmt: skip
+        gen = BatchGenerator(
+            self.model,
+            max_tokens=max_tokens,
+            stop_tokens=[[t] for t in self.eos],
+            completion_batch_size=c.batch_size,
+            prefill_batch_size=min(c.prefill_batch_size, c.batch_size),
+            prefill_step_size=c.prefill_step_size,
+        )
         try:
             return self._drive(gen, prompts, max_tokens, sampling)
         finally:
             gen.close()
 
-    def _per_sequence(self, prompts: list[list[int]], max_tokens: int,
-                      sampling: Sampling) -> dict[str, Any]:  # fmt: skip
+    def _per_sequence(
+        self, prompts: list[list[int]], max_tokens: int, sampling: Sampling
+    ) -> dict[str, Any]:
         """insert()'s samplers and logits processors, one each per sequence, made as the
         worker's engine makes them; none in the neutral mode (BatchGenerator's defaults)."""
         if not sampling.fields:
@@ -171,8 +182,10 @@ class Engine:
         from worker.engine.sampling import make_logits_processors, make_request_sampler
 
         specs = [sampling.engine_spec(i, p, max_tokens) for i, p in enumerate(prompts)]
-        return {"samplers": [make_request_sampler(s, self.vocab_size) for s in specs],
-                "logits_processors": [make_logits_processors(s) for s in specs]}  # fmt: skip
+        return {
+            "samplers": [make_request_sampler(s, self.vocab_size) for s in specs],
+            "logits_processors": [make_logits_processors(s) for s in specs],
+        }
 
     def _drive(
         self, gen: Any, prompts: list[list[int]], max_tokens: int, sampling: Sampling
@@ -207,8 +220,9 @@ async def _http_round(
 ) -> list[StreamResult]:
     async with new_client(url, len(prompts)) as client:
         bodies = [{**completion_body(model, p, max_tokens), **fields} for p in prompts]
-        return list(await asyncio.gather(*(stream_request(client, "/v1/completions", b)
-                                           for b in bodies)))  # fmt: skip
+        return list(
+            await asyncio.gather(*(stream_request(client, "/v1/completions", b) for b in bodies))
+        )
 
 
 def http_measure(
@@ -269,10 +283,13 @@ def run_level(
             time.sleep(SETTLE_S)
             m = sides.runner(side, prompts, max_tokens, sampling)()
             out[side].append(m)
-            print(f"  {sampling.name} c={c} rep={rep + 1} {side:6s} {m.tokens:5d} tok in "
-                  f"{m.wall_s:6.2f}s = {m.tps:7.1f} tok/s, "
-                  f"mean TTFT {mean(m.ttfts) * 1000:7.1f} ms, "
-                  f"cached {m.cached_tokens}, retries {m.retries}", file=sys.stderr)  # fmt: skip
+            print(
+                f"  {sampling.name} c={c} rep={rep + 1} {side:6s} {m.tokens:5d} tok in "
+                f"{m.wall_s:6.2f}s = {m.tps:7.1f} tok/s, "
+                f"mean TTFT {mean(m.ttfts) * 1000:7.1f} ms, "
+                f"cached {m.cached_tokens}, retries {m.retries}",
+                file=sys.stderr,
+            )
     return out
 
 
@@ -297,19 +314,39 @@ def goal_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def print_report(rows: list[dict[str, Any]], max_tokens: int, sampling: Sampling) -> None:
-    headers = ["conc", "reps", "engine tok/s", "pool tok/s", "pool/engine", "server tok/s",
-               "server/engine", "pool/server", "TTFT ms engine mean/p50", "pool mean/p50",
-               "server mean/p50"]  # fmt: skip
+    headers = [
+        "conc",
+        "reps",
+        "engine tok/s",
+        "pool tok/s",
+        "pool/engine",
+        "server tok/s",
+        "server/engine",
+        "pool/server",
+        "TTFT ms engine mean/p50",
+        "pool mean/p50",
+        "server mean/p50",
+    ]
     body = [
-        [r["concurrency"], r["repeats"], r["engine_tps"], r["pool_tps"], r["pool_over_engine"],
-         r["server_tps"], r["server_over_engine"], r["pool_over_server"],
-         *(f"{r[f'{s}_ttft_mean_ms']:.0f}/{r[f'{s}_ttft_p50_ms']:.0f}" for s in SIDES)]
+        [
+            r["concurrency"],
+            r["repeats"],
+            r["engine_tps"],
+            r["pool_tps"],
+            r["pool_over_engine"],
+            r["server_tps"],
+            r["server_over_engine"],
+            r["pool_over_server"],
+            *(f"{r[f'{s}_ttft_mean_ms']:.0f}/{r[f'{s}_ttft_p50_ms']:.0f}" for s in SIDES),
+        ]
         for r in rows
-    ]  # fmt: skip
+    ]
     print(f"## sampling: {sampling.describe()}")
     print(table(headers, body))
-    print(f"(tok/s: median over repeats; max_tokens={max_tokens}, prompts ~{PROMPT_TOKENS} tokens, "
-          "distinct per request and per repeat)")  # fmt: skip
+    print(
+        f"(tok/s: median over repeats; max_tokens={max_tokens}, prompts ~{PROMPT_TOKENS} tokens, "
+        "distinct per request and per repeat)"
+    )
     cached = {s: sum(r[f"{s}_cached_tokens"] for r in rows) for s in ("pool", "server")}
     print(
         f"prompt-cache hits reported by usage.cached_tokens, all levels: pool {cached['pool']} "
@@ -317,21 +354,28 @@ def print_report(rows: list[dict[str, Any]], max_tokens: int, sampling: Sampling
     )
     goal = goal_row(rows)
     if goal is not None:
-        key, want, what = (("pool_over_engine", GOAL_RATIO, "pool/engine") if not sampling.fields
-                           else ("pool_over_server", CONTROLS_GOAL, "pool/server"))  # fmt: skip
+        key, want, what = (
+            ("pool_over_engine", GOAL_RATIO, "pool/engine")
+            if not sampling.fields
+            else ("pool_over_server", CONTROLS_GOAL, "pool/server")
+        )
         verdict = "MET" if goal[key] >= want else "MISSED"
-        print(f"goal {what} >= {want} at concurrency {GOAL_CONCURRENCY} ({sampling.name}): "
-              f"{goal[key]:.3f} -> {verdict}")  # fmt: skip
+        print(
+            f"goal {what} >= {want} at concurrency {GOAL_CONCURRENCY} ({sampling.name}): "
+            f"{goal[key]:.3f} -> {verdict}"
+        )
 
 
 def print_side_by_side(runs: dict[str, list[dict[str, Any]]]) -> None:
     """`--sampling both`: the issue's two numbers on one line (at concurrency 16, else at the
     highest level run; both modes run the same levels)."""
     at = {name: goal_row(rows) or rows[-1] for name, rows in runs.items()}
-    print(f"controls pool/server {at['controls']['pool_over_server']:.3f} "
-          f"(goal >= {CONTROLS_GOAL}); neutral pool/engine "
-          f"{at['neutral']['pool_over_engine']:.3f} "
-          f"(concurrency {at['controls']['concurrency']})")  # fmt: skip
+    print(
+        f"controls pool/server {at['controls']['pool_over_server']:.3f} "
+        f"(goal >= {CONTROLS_GOAL}); neutral pool/engine "
+        f"{at['neutral']['pool_over_engine']:.3f} "
+        f"(concurrency {at['controls']['concurrency']})"
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -343,9 +387,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # One by default: on a 2-core machine the worker needs both cores, and a second router
     # process takes CPU from it (bench/README.md).
     p.add_argument("--router-processes", type=int, default=1)
-    p.add_argument("--sampling", choices=("neutral", "controls", "both"), default="neutral",
-                   help="neutral: temperature 0 only; controls: every request with CONTROLS "
-                        "(top_k, a penalty, logit_bias); both: neutral, then controls")  # fmt: skip
+    p.add_argument(
+        "--sampling",
+        choices=("neutral", "controls", "both"),
+        default="neutral",
+        help="neutral: temperature 0 only; controls: every request with CONTROLS "
+        "(top_k, a penalty, logit_bias); both: neutral, then controls",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.concurrency, args.max_tokens = "1,4", 32
@@ -381,16 +429,30 @@ def main(argv: list[str] | None = None) -> int:
             warm_up(sides, tokenizer, sampling)
             # Each mode its own prompts: mlx_lm.server's prompt cache never sees one twice.
             runs[sampling.name] = [
-                summarize(c, run_level(sides, c, args.max_tokens,
-                                       seed=10_000 * (i + 1) + 1_000_000 * m, sampling=sampling))
+                summarize(
+                    c,
+                    run_level(
+                        sides,
+                        c,
+                        args.max_tokens,
+                        seed=10_000 * (i + 1) + 1_000_000 * m,
+                        sampling=sampling,
+                    ),
+                )
                 for i, c in enumerate(args.levels)
-            ]  # fmt: skip
+            ]
     for sampling in samplings:
         print_report(runs[sampling.name], args.max_tokens, sampling)
     if len(runs) == 2:
         print_side_by_side(runs)
-    data = {"machine": machine, "max_tokens": args.max_tokens, "sampling": args.sampling,
-            "controls": samplings[-1].fields, "rows": runs[modes[0]], "runs": runs}  # fmt: skip
+    data = {
+        "machine": machine,
+        "max_tokens": args.max_tokens,
+        "sampling": args.sampling,
+        "controls": samplings[-1].fields,
+        "rows": runs[modes[0]],
+        "runs": runs,
+    }
     write_json(args.json, data)
     results.finish(data, lambda ax: plot_throughput(ax, runs, machine))
     return 0
@@ -401,12 +463,24 @@ def plot_throughput(ax: Any, runs: dict[str, list[dict[str, Any]]], machine: str
     for name, rows in runs.items():
         xs = [r["concurrency"] for r in rows]
         style, suffix = ("--", " (controls)") if name == "controls" else ("-", "")
-        for side, label in (("engine", "in-process engine"), ("pool", "pool"),
-                            ("server", "mlx_lm.server")):  # fmt: skip
-            ax.plot(xs, [r[f"{side}_tps"] for r in rows], marker="o", linestyle=style,
-                    label=label + suffix)  # fmt: skip
-    ax.set(xlabel="concurrent streams", ylabel="aggregate tokens/s", xscale="log",
-           title=f"throughput vs concurrency\n{machine}")  # fmt: skip
+        for side, label in (
+            ("engine", "in-process engine"),
+            ("pool", "pool"),
+            ("server", "mlx_lm.server"),
+        ):
+            ax.plot(
+                xs,
+                [r[f"{side}_tps"] for r in rows],
+                marker="o",
+                linestyle=style,
+                label=label + suffix,
+            )
+    ax.set(
+        xlabel="concurrent streams",
+        ylabel="aggregate tokens/s",
+        xscale="log",
+        title=f"throughput vs concurrency\n{machine}",
+    )
     xs = sorted({r["concurrency"] for rows in runs.values() for r in rows})
     ax.set_xticks(xs, [str(x) for x in xs])
     ax.legend()

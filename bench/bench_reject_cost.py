@@ -38,10 +38,12 @@ def main(events: int = 200_000) -> None:
     logging.getLogger(LOGGER_NAME).setLevel(logging.WARNING)
     reasons = list(REJECT_REASONS)
     counters = CacheCounters()
-    off = PromptCache(PromptCacheConfig(trace=False), model_id="m", storage_mode="dense",
-                      worker_id="w1")  # fmt: skip
-    on = PromptCache(PromptCacheConfig(trace=True), model_id="m", storage_mode="dense",
-                     worker_id="w1")  # fmt: skip
+    off = PromptCache(
+        PromptCacheConfig(trace=False), model_id="m", storage_mode="dense", worker_id="w1"
+    )
+    on = PromptCache(
+        PromptCacheConfig(trace=True), model_id="m", storage_mode="dense", worker_id="w1"
+    )
     cases: dict[str, Callable[[int], None]] = {
         "counters.record_reject": lambda i: counters.record_reject(reasons[i % 7], None, i, 0),
         "PromptCache.record_reject, trace off": lambda i: off.record_reject(

@@ -172,10 +172,15 @@ def build_workload(plan: Plan) -> list[Conversation]:
     rng = random.Random(plan.seed)
     systems = [_ids(rng, SYSTEM_TOKENS) for _ in range(plan.tenants)]
     convs = [
-        Conversation(t, u, systems[t], tuple(
-            (_ids(rng, USER_TOKENS), _ids(rng, REPLY_TOKENS)) for _ in range(plan.turns)))
-        for t in range(plan.tenants) for u in range(plan.users)
-    ]  # fmt: skip
+        Conversation(
+            t,
+            u,
+            systems[t],
+            tuple((_ids(rng, USER_TOKENS), _ids(rng, REPLY_TOKENS)) for _ in range(plan.turns)),
+        )
+        for t in range(plan.tenants)
+        for u in range(plan.users)
+    ]
     rng.shuffle(convs)
     return convs
 
@@ -220,8 +225,14 @@ class Reply:
 
 
 def body(model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
 async def send(
@@ -307,18 +318,22 @@ def _all_live(r: redis.Redis, workers: int) -> bool:
 
 async def warm_up(http: aiohttp.ClientSession, model: str, workers: int) -> dict[str, int]:
     rng = random.Random(-1)  # not the workload's seed: these share nothing with it
-    prompts = [[rng.randrange(FIRST_ID, VOCAB) for _ in range(WARMUP_TOKENS)]
-               for _ in range(WARMUP_PER_WORKER * workers)]  # fmt: skip
-    replies = await asyncio.gather(*(send(http, model, p, Reply("warmup", 0, len(p)), 2)
-                                     for p in prompts))  # fmt: skip
+    prompts = [
+        [rng.randrange(FIRST_ID, VOCAB) for _ in range(WARMUP_TOKENS)]
+        for _ in range(WARMUP_PER_WORKER * workers)
+    ]
+    replies = await asyncio.gather(
+        *(send(http, model, p, Reply("warmup", 0, len(p)), 2) for p in prompts)
+    )
     bad = [r for r in replies if not ok(r)]
     if bad:
         raise RuntimeError(f"a warm-up request failed: {bad[0]}")
     return dict(Counter(r.worker for r in replies))
 
 
-async def drive(http: aiohttp.ClientSession, model: str, convs: list[Conversation],
-                concurrency: int) -> list[Reply]:  # fmt: skip
+async def drive(
+    http: aiohttp.ClientSession, model: str, convs: list[Conversation], concurrency: int
+) -> list[Reply]:
     """`concurrency` sessions, each taking the next conversation and sending its turns in
     order; a failed turn ends its conversation (the next turn's prompt would build on it)."""
     queue = list(reversed(convs))
@@ -329,20 +344,24 @@ async def drive(http: aiohttp.ClientSession, model: str, convs: list[Conversatio
             conv = queue.pop()
             for k in range(len(conv.turns)):
                 prompt = conv.prompt(k)
-                reply = await send(http, model, prompt, Reply(conv.name, k, len(prompt)),
-                                   MAX_TOKENS)  # fmt: skip
+                reply = await send(
+                    http, model, prompt, Reply(conv.name, k, len(prompt)), MAX_TOKENS
+                )
                 replies.append(reply)
                 if not ok(reply):
-                    print(f"    {conv.name} turn {k + 1}: {reply.status} {reply.error}",
-                          file=sys.stderr)  # fmt: skip
+                    print(
+                        f"    {conv.name} turn {k + 1}: {reply.status} {reply.error}",
+                        file=sys.stderr,
+                    )
                     break
 
     await asyncio.gather(*(session() for _ in range(concurrency)))
     return replies
 
 
-def one_run(model_dir: Path, work: Path, workers: int, policy: str, convs: list[Conversation],
-            plan: Plan) -> Run:  # fmt: skip
+def one_run(
+    model_dir: Path, work: Path, workers: int, policy: str, convs: list[Conversation], plan: Plan
+) -> Run:
     run = Run(workers, policy)
     env = {"MLXCEL_ROUTING_POLICY": policy}
     if plan.max_entries:  # a cache smaller than the working set: what production caches are
@@ -355,8 +374,9 @@ def one_run(model_dir: Path, work: Path, workers: int, policy: str, convs: list[
             async def go() -> None:
                 connector = aiohttp.TCPConnector(limit=0)
                 timeout = aiohttp.ClientTimeout(total=None)
-                async with aiohttp.ClientSession(base_url=pool.url, connector=connector,
-                                                 timeout=timeout) as http:  # fmt: skip
+                async with aiohttp.ClientSession(
+                    base_url=pool.url, connector=connector, timeout=timeout
+                ) as http:
                     async with http.get("/health") as resp:
                         model = str((await resp.json(content_type=None))["model"])
                     run.warmup_served = await warm_up(http, model, workers)
@@ -366,10 +386,14 @@ def one_run(model_dir: Path, work: Path, workers: int, policy: str, convs: list[
                     run.wall_s = time.perf_counter() - t0
                     after = _stats(r)
                     delta = {k: v - before.get(k, 0) for k, v in sorted(after.items())}
-                    run.decisions = {k.removeprefix("decisions:"): v for k, v in delta.items()
-                                     if k.startswith("decisions:") and v}  # fmt: skip
-                    run.predicted_tokens = sum(v for k, v in delta.items()
-                                               if k.startswith("predicted_tokens:"))  # fmt: skip
+                    run.decisions = {
+                        k.removeprefix("decisions:"): v
+                        for k, v in delta.items()
+                        if k.startswith("decisions:") and v
+                    }
+                    run.predicted_tokens = sum(
+                        v for k, v in delta.items() if k.startswith("predicted_tokens:")
+                    )
 
             asyncio.run(go())
         finally:
@@ -404,17 +428,42 @@ def row(run: Run) -> list[Any]:
     served = Counter(r.worker for r in good)
     spread = " ".join(f"{w}:{served[w]}" for w in sorted(served))
     decisions = " ".join(f"{k}:{v}" for k, v in run.decisions.items())
-    return [run.workers, run.policy if run.workers > 1 else "(any)", len(run.replies),
-            len(run.replies) - len(good), sum(r.prompt_tokens for r in good),
-            sum(r.cached_tokens for r in good), run.predicted_tokens, _ratio(run.hit_ratio()),
-            _ratio(run.hit_ratio("first")), _ratio(run.hit_ratio("later")), _ms(ttfts, 50),
-            _ms(ttfts, 99), f"{run.wall_s:.1f}", spread, decisions]  # fmt: skip
+    return [
+        run.workers,
+        run.policy if run.workers > 1 else "(any)",
+        len(run.replies),
+        len(run.replies) - len(good),
+        sum(r.prompt_tokens for r in good),
+        sum(r.cached_tokens for r in good),
+        run.predicted_tokens,
+        _ratio(run.hit_ratio()),
+        _ratio(run.hit_ratio("first")),
+        _ratio(run.hit_ratio("later")),
+        _ms(ttfts, 50),
+        _ms(ttfts, 99),
+        f"{run.wall_s:.1f}",
+        spread,
+        decisions,
+    ]
 
 
-HEADERS = ["workers", "policy", "requests", "errors", "prompt tok", "cached tok",
-           "predicted tok", "hit ratio",
-           "turn 1", "turns 2+", "TTFT p50 ms", "TTFT p99 ms", "wall s", "served",
-           "decisions"]  # fmt: skip
+HEADERS = [
+    "workers",
+    "policy",
+    "requests",
+    "errors",
+    "prompt tok",
+    "cached tok",
+    "predicted tok",
+    "hit ratio",
+    "turn 1",
+    "turns 2+",
+    "TTFT p50 ms",
+    "TTFT p99 ms",
+    "wall s",
+    "served",
+    "decisions",
+]
 
 
 def verdict(runs: list[Run]) -> tuple[str, bool]:
@@ -432,24 +481,28 @@ def verdict(runs: list[Run]) -> tuple[str, bool]:
     judged = "MET" if met else "MISSED"
     if n != GOAL_WORKERS:
         judged = f"NOT JUDGED (the goal is at {GOAL_WORKERS} workers; this run's largest is {n})"
-    line = (f"goal: ratio(cache_aware, {n} workers) / ratio(1 worker) = {ca.hit_ratio():.3f} / "
-            f"{one.hit_ratio():.3f} = {of_one:.2f} (>= {GOAL_OF_ONE_WORKER}) and ratio("
-            f"cache_aware, {n}) / ratio(round_robin, {n}) = {ca.hit_ratio():.3f} / "
-            f"{rr.hit_ratio():.3f} = {over_rr:.2f} (>= {GOAL_OVER_ROUND_ROBIN})")  # fmt: skip
+    line = (
+        f"goal: ratio(cache_aware, {n} workers) / ratio(1 worker) = {ca.hit_ratio():.3f} / "
+        f"{one.hit_ratio():.3f} = {of_one:.2f} (>= {GOAL_OF_ONE_WORKER}) and ratio("
+        f"cache_aware, {n}) / ratio(round_robin, {n}) = {ca.hit_ratio():.3f} / "
+        f"{rr.hit_ratio():.3f} = {over_rr:.2f} (>= {GOAL_OVER_ROUND_ROBIN})"
+    )
     return f"{line} -> {judged}", met
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true",
-                   help="3 tenants x 3 users x 2 turns, concurrency 4, workers 1,2")  # fmt: skip
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="3 tenants x 3 users x 2 turns, concurrency 4, workers 1,2",
+    )
     p.add_argument("--workers", default="", help="worker counts (1,2,4; quick 1,2)")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--tenants", type=int, default=0, help="system prompts (5; quick 3)")
     p.add_argument("--users", type=int, default=0, help="conversations per tenant (12; quick 3)")
     p.add_argument("--turns", type=int, default=0, help="turns per conversation (4; quick 2)")
-    p.add_argument("--concurrency", type=int, default=0,
-                   help="conversations at once (8; quick 4)")  # fmt: skip
+    p.add_argument("--concurrency", type=int, default=0, help="conversations at once (8; quick 4)")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument(
         "--max-entries",
@@ -472,14 +525,20 @@ def main(argv: list[str] | None = None) -> int:
     convs = build_workload(plan)
     prompt_total, ideal, system_total = ideal_reuse(convs)
     requests = len(convs) * plan.turns
-    print(f"# model {model_dir.name}; 1 router process; {plan.tenants} tenants (system prompts "
-          f"{SYSTEM_TOKENS[0]}-{SYSTEM_TOKENS[1]} ids) x {plan.users} users x {plan.turns} turns "
-          f"= {requests} requests, {prompt_total} prompt tokens ({system_total / prompt_total:.0%}"
-          f" system prompt); {plan.concurrency} conversations at once; streamed, max_tokens "
-          f"{MAX_TOKENS}; seed {plan.seed}; prompt-cache entries per worker "
-          f"{plan.max_entries or 'default (1024)'}", flush=True)  # fmt: skip
-    print(f"# an unbounded single cache serving these one at a time would reuse {ideal} "
-          f"({ideal / prompt_total:.3f})", flush=True)  # fmt: skip
+    print(
+        f"# model {model_dir.name}; 1 router process; {plan.tenants} tenants (system prompts "
+        f"{SYSTEM_TOKENS[0]}-{SYSTEM_TOKENS[1]} ids) x {plan.users} users x {plan.turns} turns "
+        f"= {requests} requests, {prompt_total} prompt tokens ({system_total / prompt_total:.0%}"
+        f" system prompt); {plan.concurrency} conversations at once; streamed, max_tokens "
+        f"{MAX_TOKENS}; seed {plan.seed}; prompt-cache entries per worker "
+        f"{plan.max_entries or 'default (1024)'}",
+        flush=True,
+    )
+    print(
+        f"# an unbounded single cache serving these one at a time would reuse {ideal} "
+        f"({ideal / prompt_total:.3f})",
+        flush=True,
+    )
     runs: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="mlxcel-routing-") as tmp:
         base = Path(args.work_dir) if args.work_dir else Path(tmp)
@@ -489,22 +548,38 @@ def main(argv: list[str] | None = None) -> int:
             work.mkdir(parents=True, exist_ok=True)
             run = one_run(model_dir, work, workers, policy, convs, plan)
             runs.append(run)
-            print(f"  {workers} worker(s) {policy}: hit ratio {_ratio(run.hit_ratio())}, "
-                  f"{len(run.good())}/{len(run.replies)} ok, warm-up served "
-                  f"{run.warmup_served}, tracebacks {run.tracebacks} "
-                  f"[{time.perf_counter() - started:.1f}s]", file=sys.stderr)  # fmt: skip
+            print(
+                f"  {workers} worker(s) {policy}: hit ratio {_ratio(run.hit_ratio())}, "
+                f"{len(run.good())}/{len(run.replies)} ok, warm-up served "
+                f"{run.warmup_served}, tracebacks {run.tracebacks} "
+                f"[{time.perf_counter() - started:.1f}s]",
+                file=sys.stderr,
+            )
     print(table(HEADERS, [row(r) for r in runs]))
-    print("(hit ratio = cached / prompt tokens as the workers report them; TTFT = send -> first "
-          "streamed chunk with a choice; warm-up excluded; decisions: mlxcel:routing:stats "
-          "during the workload)")  # fmt: skip
+    print(
+        "(hit ratio = cached / prompt tokens as the workers report them; TTFT = send -> first "
+        "streamed chunk with a choice; warm-up excluded; decisions: mlxcel:routing:stats "
+        "during the workload)"
+    )
     line, met = verdict(runs)
-    data = {"plan": plan, "goal_met": met, "ideal_cached": ideal, "prompt_tokens": prompt_total,
-            "runs": runs}  # fmt: skip
+    data = {
+        "plan": plan,
+        "goal_met": met,
+        "ideal_cached": ideal,
+        "prompt_tokens": prompt_total,
+        "runs": runs,
+    }
     write_json(args.json, data)
     print(line)
-    results.finish({k: v for k, v in data.items() if k != "runs"} | {
-        "rows": [{"workers": r.workers, "policy": r.policy, "hit_ratio": r.hit_ratio()}
-                 for r in runs]}, lambda ax: plot_hit_ratio(ax, runs))  # fmt: skip
+    results.finish(
+        {k: v for k, v in data.items() if k != "runs"}
+        | {
+            "rows": [
+                {"workers": r.workers, "policy": r.policy, "hit_ratio": r.hit_ratio()} for r in runs
+            ]
+        },
+        lambda ax: plot_hit_ratio(ax, runs),
+    )
     return 0
 
 
@@ -513,8 +588,13 @@ def plot_hit_ratio(ax: Any, runs: list[Run]) -> None:
     counts = sorted({r.workers for r in runs})
     width = 0.8 / len(POLICIES)
     for i, policy in enumerate(POLICIES):
-        ys = [next((r.hit_ratio() for r in runs if r.workers == n and
-                    (r.policy == policy or n == 1)), 0.0) for n in counts]  # fmt: skip
+        ys = [
+            next(
+                (r.hit_ratio() for r in runs if r.workers == n and (r.policy == policy or n == 1)),
+                0.0,
+            )
+            for n in counts
+        ]
         ax.bar([j + (i - 1) * width for j in range(len(counts))], ys, width, label=policy)
     ax.set_xticks(range(len(counts)), [f"{n} worker(s)" for n in counts])
     ax.set(ylabel="cached / prompt tokens", ylim=(0, 1), title="hit ratio per routing policy")

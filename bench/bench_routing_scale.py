@@ -115,11 +115,33 @@ class Plan:
     @classmethod
     def of(cls, args: argparse.Namespace) -> Plan:
         if args.quick:
-            plan = cls((1, 4, 16), args.blocks or 20_000, 300, args.streams, 1.5, 2.5,
-                       (16, 64), 256, 3.0, 5.0, 256)  # fmt: skip
+            plan = cls(
+                (1, 4, 16),
+                args.blocks or 20_000,
+                300,
+                args.streams,
+                1.5,
+                2.5,
+                (16, 64),
+                256,
+                3.0,
+                5.0,
+                256,
+            )
         else:
-            plan = cls((1, 2, 4, 8, 16, 32, 64), args.blocks or 100_000, 1000, args.streams,
-                       2.0, 6.0, (8, 32, 128, 256), 256, 5.0, 10.0, 256)  # fmt: skip
+            plan = cls(
+                (1, 2, 4, 8, 16, 32, 64),
+                args.blocks or 100_000,
+                1000,
+                args.streams,
+                2.0,
+                6.0,
+                (8, 32, 128, 256),
+                256,
+                5.0,
+                10.0,
+                256,
+            )
         if args.stages:
             plan = replace(plan, stages=_counts(args.stages))
         if args.relay_streams:
@@ -169,9 +191,20 @@ class SyntheticWorkers:
     """bench/synthetic_worker.py in a subprocess, driven over its stdin."""
 
     def __init__(self, redis_url: str, plan: Plan, step_ms: float, log_path: Path) -> None:
-        cmd = [sys.executable, str(REPO / "bench" / "synthetic_worker.py"), "--redis-url",
-               redis_url, "--model", MODEL, "--blocks", str(plan.blocks), "--step-ms",
-               str(step_ms), "--batch-size", str(plan.batch_size)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            str(REPO / "bench" / "synthetic_worker.py"),
+            "--redis-url",
+            redis_url,
+            "--model",
+            MODEL,
+            "--blocks",
+            str(plan.blocks),
+            "--step-ms",
+            str(step_ms),
+            "--batch-size",
+            str(plan.batch_size),
+        ]
         self.log = log_path.open("ab")
         self.proc = subprocess.Popen(
             cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True
@@ -277,8 +310,13 @@ class Cpu:
     @classmethod
     def now(cls, r: redis.Redis, router_pid: int, workers: SyntheticWorkers) -> Cpu:
         me = psutil.Process().cpu_times()
-        return cls(time.perf_counter(), tree_cpu_s(router_pid), redis_cpu_s(r), workers.cpu_s(),
-                   me.user + me.system)  # fmt: skip
+        return cls(
+            time.perf_counter(),
+            tree_cpu_s(router_pid),
+            redis_cpu_s(r),
+            workers.cpu_s(),
+            me.user + me.system,
+        )
 
     def __sub__(self, other: Cpu) -> Cpu:
         return Cpu(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
@@ -368,11 +406,13 @@ def timed_pass(
     if calls1 - calls0 != len(cases):
         progress(f"note: {calls1 - calls0} EVALSHA calls for {len(cases)} decisions")
     return Pass(
-        p50_ms=percentile(took, 50) * 1000, p99_ms=percentile(took, 99) * 1000,
+        p50_ms=percentile(took, 50) * 1000,
+        p99_ms=percentile(took, 99) * 1000,
         script_us=(usec1 - usec0) / max(calls1 - calls0, 1),
-        redis_cpu_ms=redis_cpu / len(cases) * 1000, outcomes=outcomes,
+        redis_cpu_ms=redis_cpu / len(cases) * 1000,
+        outcomes=outcomes,
         on_family=family_hits / family_total if family_total else float("nan"),
-    )  # fmt: skip
+    )
 
 
 def time_decisions(
@@ -474,8 +514,14 @@ def bodies(prompts: Prompts, wids: list[str], max_tokens: int) -> list[bytes]:
     for _ in range(BODIES):
         tokens, _ = prompts.prompt(wids)
         n = prompts.rng.randint(max(1, max_tokens // 2), max(1, max_tokens * 3 // 2))
-        body = {"model": MODEL, "prompt": tokens, "max_tokens": n, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+        body = {
+            "model": MODEL,
+            "prompt": tokens,
+            "max_tokens": n,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         out.append(json.dumps(body).encode())
     return out
 
@@ -551,9 +597,17 @@ async def relay_window(
         s1 = r.info("commandstats") if r is not None else {}
         done, paced = flow.requests - before.requests, flow.paced - before.paced
         pace = (flow.pace - before.pace) / paced if paced else float("nan")
-        window = Window(streams, 0, done, flow.tokens - before.tokens,
-                        flow.errors - before.errors, flow.mismatched - before.mismatched,
-                        c1 - c0, pace, redis_time(s0, s1))  # fmt: skip
+        window = Window(
+            streams,
+            0,
+            done,
+            flow.tokens - before.tokens,
+            flow.errors - before.errors,
+            flow.mismatched - before.mismatched,
+            c1 - c0,
+            pace,
+            redis_time(s0, s1),
+        )
         flow.stop = True
         await asyncio.gather(*tasks)
     if flow.errors:
@@ -632,8 +686,10 @@ def bench(pool: Any, plan: Plan, work: Path) -> Run:
             progress(f"{n} workers up ({run.fill_s[n]:.1f}s to add)")
             dec = time_decisions(ledger, r, prompts, wids, plan.decisions, plan.blocks)
             run.decisions.append(dec)
-            progress(f"decisions: p50 {dec.idle.p50_ms:.2f} ms, {dec.loaded.p50_ms:.2f} ms with "
-                     f"{dec.held} held")  # fmt: skip
+            progress(
+                f"decisions: p50 {dec.idle.p50_ms:.2f} ms, {dec.loaded.p50_ms:.2f} ms with "
+                f"{dec.held} held"
+            )
             run.costs.append(relay_cost(pool.url, prompts, wids, plan, snap))
         run.redis_used_mib = float(r.info("memory")["used_memory"]) / 2**20
         # The relay curve: every worker up, stepping faster.
@@ -648,8 +704,10 @@ def bench(pool: Any, plan: Plan, work: Path) -> Run:
             )
             w.max_tokens = plan.relay_max_tokens
             run.relay.append(w)
-            progress(f"relay {streams} streams: {w.tok_s:.0f} tok/s, router "
-                     f"{w.cores('router'):.2f} cores")  # fmt: skip
+            progress(
+                f"relay {streams} streams: {w.tok_s:.0f} tok/s, router "
+                f"{w.cores('router'):.2f} cores"
+            )
         run.worker_totals = workers.stats()
     finally:
         workers.close()
@@ -657,16 +715,22 @@ def bench(pool: Any, plan: Plan, work: Path) -> Run:
 
 
 def relay_cost(url: str, prompts: Prompts, wids: list[str], plan: Plan, snap: Any) -> RelayCost:
-    short = asyncio.run(relay_window(url, bodies(prompts, wids, 1), plan.streams, plan.warm_s,
-                                     plan.window_s, snap))  # fmt: skip
+    short = asyncio.run(
+        relay_window(url, bodies(prompts, wids, 1), plan.streams, plan.warm_s, plan.window_s, snap)
+    )
     short.max_tokens = 1
-    long = asyncio.run(relay_window(url, bodies(prompts, wids, LONG_TOKENS), plan.streams,
-                                    plan.warm_s, plan.window_s, snap))  # fmt: skip
+    long = asyncio.run(
+        relay_window(
+            url, bodies(prompts, wids, LONG_TOKENS), plan.streams, plan.warm_s, plan.window_s, snap
+        )
+    )
     long.max_tokens = LONG_TOKENS
     ra, rb = split(short, long, "router")
     da, db = split(short, long, "redis")
-    progress(f"relay cost: {short.req_s:.0f} req/s at max_tokens 1, {long.tok_s:.0f} tok/s at "
-             f"{LONG_TOKENS}")  # fmt: skip
+    progress(
+        f"relay cost: {short.req_s:.0f} req/s at max_tokens 1, {long.tok_s:.0f} tok/s at "
+        f"{LONG_TOKENS}"
+    )
     return RelayCost(len(wids), plan.streams, short, long, ra * 1000, rb * 1e6, da * 1000, db * 1e6)
 
 
@@ -676,84 +740,189 @@ def relay_cost(url: str, prompts: Prompts, wids: list[str], plan: Plan, snap: An
 def print_report(run: Run) -> None:
     plan = run.plan
     print()
-    print(f"Routing decisions: AdmissionLedger.reserve, {PROMPT_TOKENS}-token prompts "
-          f"({PROMPT_TOKENS // 16} blocks; {FAMILY_SHARE:.0%} start with a worker's "
-          f"{PREFIX_TOKENS}-token family), {plan.decisions} a pass, one at a time")  # fmt: skip
+    print(
+        f"Routing decisions: AdmissionLedger.reserve, {PROMPT_TOKENS}-token prompts "
+        f"({PROMPT_TOKENS // 16} blocks; {FAMILY_SHARE:.0%} start with a worker's "
+        f"{PREFIX_TOKENS}-token family), {plan.decisions} a pass, one at a time"
+    )
     rows = []
     for d in run.decisions:
         q, h = d.idle, d.loaded
         mix = "/".join(str(q.outcomes.get(k, 0)) for k in ("cache", "load", "spill"))
         held_mix = "/".join(str(h.outcomes.get(k, 0)) for k in ("cache", "load", "spill"))
-        rows.append([d.workers, d.blocks, f"{q.p50_ms:.3f}", f"{q.p99_ms:.3f}",
-                     f"{q.script_us:.0f}", f"{q.redis_cpu_ms:.3f}", mix, f"{q.on_family:.0%}",
-                     d.held, f"{h.p50_ms:.3f}", f"{h.p99_ms:.3f}", f"{h.script_us:.0f}",
-                     f"{h.redis_cpu_ms:.3f}", held_mix])  # fmt: skip
-    print(table(["workers", "blocks/worker", "p50 ms", "p99 ms", "script us", "Redis CPU ms",
-                 "cache/load/spill", "on family", "held", "p50 ms", "p99 ms", "script us",
-                 "Redis CPU ms", "cache/load/spill"], rows))  # fmt: skip
+        rows.append(
+            [
+                d.workers,
+                d.blocks,
+                f"{q.p50_ms:.3f}",
+                f"{q.p99_ms:.3f}",
+                f"{q.script_us:.0f}",
+                f"{q.redis_cpu_ms:.3f}",
+                mix,
+                f"{q.on_family:.0%}",
+                d.held,
+                f"{h.p50_ms:.3f}",
+                f"{h.p99_ms:.3f}",
+                f"{h.script_us:.0f}",
+                f"{h.redis_cpu_ms:.3f}",
+                held_mix,
+            ]
+        )
+    print(
+        table(
+            [
+                "workers",
+                "blocks/worker",
+                "p50 ms",
+                "p99 ms",
+                "script us",
+                "Redis CPU ms",
+                "cache/load/spill",
+                "on family",
+                "held",
+                "p50 ms",
+                "p99 ms",
+                "script us",
+                "Redis CPU ms",
+                "cache/load/spill",
+            ],
+            rows,
+        )
+    )
     hash_us = [d.hash_us for d in run.decisions]
-    print("(left: nothing else in flight; right of `held`: the same decisions while that many "
-          f"reservations are held, {HELD_PER_WORKER} a worker. p50/p99: reserve's round trip "
-          "from Python; script us: Redis's own time in the placement script a call (INFO "
-          "commandstats); Redis CPU ms: INFO cpu per reserve + release, less Redis's idle "
-          "rate; on family: family prompts placed on the worker holding it. Hashing a "
-          f"prompt's 64 blocks before: p50 {min(hash_us):.0f}-{max(hash_us):.0f} us)")  # fmt: skip
-    print(f"Redis used_memory with {plan.stages[-1]} block sets: {run.redis_used_mib:.0f} MiB; "
-          "seconds to add the workers of a row (register + fill): "
-          + ", ".join(f"{n}: {s:.1f}" for n, s in run.fill_s.items()))  # fmt: skip
+    print(
+        "(left: nothing else in flight; right of `held`: the same decisions while that many "
+        f"reservations are held, {HELD_PER_WORKER} a worker. p50/p99: reserve's round trip "
+        "from Python; script us: Redis's own time in the placement script a call (INFO "
+        "commandstats); Redis CPU ms: INFO cpu per reserve + release, less Redis's idle "
+        "rate; on family: family prompts placed on the worker holding it. Hashing a "
+        f"prompt's 64 blocks before: p50 {min(hash_us):.0f}-{max(hash_us):.0f} us)"
+    )
+    print(
+        f"Redis used_memory with {plan.stages[-1]} block sets: {run.redis_used_mib:.0f} MiB; "
+        "seconds to add the workers of a row (register + fill): "
+        + ", ".join(f"{n}: {s:.1f}" for n, s in run.fill_s.items())
+    )
     print()
-    print(f"Relay cost per routed request and per relayed token: one router process, "
-          f"{plan.streams} closed-loop streams, a step every {DEFAULT_STEP_MS:g} ms; a "
-          f"max_tokens 1 and a max_tokens {spread(LONG_TOKENS)} window of "
-          f"{plan.window_s:g}s each")  # fmt: skip
+    print(
+        f"Relay cost per routed request and per relayed token: one router process, "
+        f"{plan.streams} closed-loop streams, a step every {DEFAULT_STEP_MS:g} ms; a "
+        f"max_tokens 1 and a max_tokens {spread(LONG_TOKENS)} window of "
+        f"{plan.window_s:g}s each"
+    )
     rows = []
     for c in run.costs:
         bad = c.short.errors + c.long.errors + c.short.mismatched + c.long.mismatched
-        rows.append([c.workers, f"{c.short.req_s:.0f}", f"{c.short.cores('router'):.2f}",
-                     f"{c.long.tok_s:.0f}", f"{c.long.cores('router'):.2f}",
-                     f"{c.router_ms_per_req:.2f}", f"{c.router_us_per_tok:.1f}",
-                     f"{c.redis_ms_per_req:.3f}", f"{c.redis_us_per_tok:.1f}",
-                     f"{c.long.cores('redis'):.2f}", bad])  # fmt: skip
-    print(table(["workers", "req/s @1", "router cores @1", f"tok/s @{LONG_TOKENS}",
-                 f"router cores @{LONG_TOKENS}", "router ms/req", "router us/tok",
-                 "Redis ms/req", "Redis us/tok", f"Redis cores @{LONG_TOKENS}", "errors"],
-                rows))  # fmt: skip
-    print("(ms/req, us/tok: CPU = a x requests + b x tokens, solved over the two windows; "
-          "cores: CPU seconds a second; @1, @64: the max_tokens of the window)")  # fmt: skip
+        rows.append(
+            [
+                c.workers,
+                f"{c.short.req_s:.0f}",
+                f"{c.short.cores('router'):.2f}",
+                f"{c.long.tok_s:.0f}",
+                f"{c.long.cores('router'):.2f}",
+                f"{c.router_ms_per_req:.2f}",
+                f"{c.router_us_per_tok:.1f}",
+                f"{c.redis_ms_per_req:.3f}",
+                f"{c.redis_us_per_tok:.1f}",
+                f"{c.long.cores('redis'):.2f}",
+                bad,
+            ]
+        )
+    print(
+        table(
+            [
+                "workers",
+                "req/s @1",
+                "router cores @1",
+                f"tok/s @{LONG_TOKENS}",
+                f"router cores @{LONG_TOKENS}",
+                "router ms/req",
+                "router us/tok",
+                "Redis ms/req",
+                "Redis us/tok",
+                f"Redis cores @{LONG_TOKENS}",
+                "errors",
+            ],
+            rows,
+        )
+    )
+    print(
+        "(ms/req, us/tok: CPU = a x requests + b x tokens, solved over the two windows; "
+        "cores: CPU seconds a second; @1, @64: the max_tokens of the window)"
+    )
     print()
     offered = 1000 / RELAY_STEP_MS * RELAY_TOKENS_PER_STEP
-    print(f"Relay curve: {run.relay_workers} workers, a step every {RELAY_STEP_MS:g} ms with "
-          f"{RELAY_TOKENS_PER_STEP} tokens ({offered:.0f} tokens/s a stream), max_tokens "
-          f"{spread(plan.relay_max_tokens)}, one router process, windows of "
-          f"{plan.relay_window_s:g}s")  # fmt: skip
+    print(
+        f"Relay curve: {run.relay_workers} workers, a step every {RELAY_STEP_MS:g} ms with "
+        f"{RELAY_TOKENS_PER_STEP} tokens ({offered:.0f} tokens/s a stream), max_tokens "
+        f"{spread(plan.relay_max_tokens)}, one router process, windows of "
+        f"{plan.relay_window_s:g}s"
+    )
     rows = []
     for w in run.relay:
         per_router_s = w.tokens / w.cpu.router if w.cpu.router else float("nan")
-        rows.append([w.streams, f"{w.streams * offered:.0f}", f"{w.tok_s:.0f}",
-                     f"{w.req_s:.1f}", f"{w.pace:.0f}", f"{w.cores('router'):.2f}",
-                     f"{w.cpu.router / max(w.tokens, 1) * 1e6:.1f}", f"{per_router_s:.0f}",
-                     f"{w.cores('redis'):.2f}", f"{w.cores('workers'):.2f}",
-                     f"{w.cores('client'):.2f}", w.errors + w.mismatched])  # fmt: skip
-    print(table(["streams", "offered tok/s", "relayed tok/s", "req/s", "tok/s a stream",
-                 "router cores", "router us/tok", "tok/router-CPU-s", "Redis cores",
-                 "workers cores", "client cores", "errors"], rows))  # fmt: skip
-    print(f"(tok/s a stream: first to last token of each request, mean; the workers' clock "
-          f"alone gives {offered:.0f}. router us/tok: all its CPU, requests included, per "
-          "relayed token; tok/router-CPU-s: relayed tokens per CPU second of the router, what "
-          "it would relay with a core to itself)")  # fmt: skip
+        rows.append(
+            [
+                w.streams,
+                f"{w.streams * offered:.0f}",
+                f"{w.tok_s:.0f}",
+                f"{w.req_s:.1f}",
+                f"{w.pace:.0f}",
+                f"{w.cores('router'):.2f}",
+                f"{w.cpu.router / max(w.tokens, 1) * 1e6:.1f}",
+                f"{per_router_s:.0f}",
+                f"{w.cores('redis'):.2f}",
+                f"{w.cores('workers'):.2f}",
+                f"{w.cores('client'):.2f}",
+                w.errors + w.mismatched,
+            ]
+        )
+    print(
+        table(
+            [
+                "streams",
+                "offered tok/s",
+                "relayed tok/s",
+                "req/s",
+                "tok/s a stream",
+                "router cores",
+                "router us/tok",
+                "tok/router-CPU-s",
+                "Redis cores",
+                "workers cores",
+                "client cores",
+                "errors",
+            ],
+            rows,
+        )
+    )
+    print(
+        f"(tok/s a stream: first to last token of each request, mean; the workers' clock "
+        f"alone gives {offered:.0f}. router us/tok: all its CPU, requests included, per "
+        "relayed token; tok/router-CPU-s: relayed tokens per CPU second of the router, what "
+        "it would relay with a core to itself)"
+    )
     best = max(run.relay, key=lambda w: w.tok_s, default=None)
     if best is not None:
         ceiling = max(w.tokens / w.cpu.router for w in run.relay if w.cpu.router)
-        print(f"most tokens/s one router process relayed: {best.tok_s:.0f} ({best.streams} "
-              f"streams, the router at {best.cores('router'):.2f} cores); tokens per router "
-              f"CPU-second: up to {ceiling:.0f}")  # fmt: skip
-    print("Redis time by command in each relay window: share of the window's wall time (us a "
-          "call x calls); a script's line includes the commands it called")  # fmt: skip
+        print(
+            f"most tokens/s one router process relayed: {best.tok_s:.0f} ({best.streams} "
+            f"streams, the router at {best.cores('router'):.2f} cores); tokens per router "
+            f"CPU-second: up to {ceiling:.0f}"
+        )
+    print(
+        "Redis time by command in each relay window: share of the window's wall time (us a "
+        "call x calls); a script's line includes the commands it called"
+    )
     for w in run.relay:
         busy = w.cpu.t
-        print(f"  {w.streams:>4} streams: " + ", ".join(
-            f"{name} {s / busy:.0%} ({s / calls * 1e6:.0f} us x {calls})"
-            for name, s, calls in w.redis_time))  # fmt: skip
+        print(
+            f"  {w.streams:>4} streams: "
+            + ", ".join(
+                f"{name} {s / busy:.0%} ({s / calls * 1e6:.0f} us x {calls})"
+                for name, s, calls in w.redis_time
+            )
+        )
     print(f"synthetic workers' totals: {run.worker_totals}")
 
 
@@ -774,23 +943,34 @@ def main(argv: list[str] | None = None) -> int:
     announce()
     model_dir = tiny_model_dir()
     print(f"# load average before: {' '.join(f'{x:.2f}' for x in psutil.getloadavg())}")
-    print(f"# model {MODEL} (tokenizer only); synthetic workers {', '.join(map(str, plan.stages))}"
-          f" with {plan.blocks} blocks each; 1 router process; "
-          f"{' '.join(f'{k}={v}' for k, v in ENV.items())}", flush=True)  # fmt: skip
+    print(
+        f"# model {MODEL} (tokenizer only); synthetic workers {', '.join(map(str, plan.stages))}"
+        f" with {plan.blocks} blocks each; 1 router process; "
+        f"{' '.join(f'{k}={v}' for k, v in ENV.items())}",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory(prefix="mlxcel-routing-scale-") as tmp:
         work = Path(args.work_dir) if args.work_dir else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         with running_pool(model_dir, work, workers=0, env=ENV, overrides=OVERRIDES) as pool:
             run = bench(pool, plan, work)
             tracebacks = pool.logs("router").count("Traceback")
-        synthetic = sum(p.read_text(errors="replace").count("Traceback")
-                        for p in work.glob("synthetic*.log"))  # fmt: skip
+        synthetic = sum(
+            p.read_text(errors="replace").count("Traceback") for p in work.glob("synthetic*.log")
+        )
         progress(f"logs in {work}; tracebacks: router {tracebacks}, synthetic workers {synthetic}")
     print_report(run)
     print(f"# load average after: {' '.join(f'{x:.2f}' for x in psutil.getloadavg())}")
-    write_json(args.json, {"plan": asdict(plan), "decisions": run.decisions,
-                           "costs": run.costs, "relay": run.relay,
-                           "worker_totals": run.worker_totals})  # fmt: skip
+    write_json(
+        args.json,
+        {
+            "plan": asdict(plan),
+            "decisions": run.decisions,
+            "costs": run.costs,
+            "relay": run.relay,
+            "worker_totals": run.worker_totals,
+        },
+    )
     return 0
 
 

@@ -39,8 +39,12 @@ from tests.pool_fixture import running_pool  # noqa: E402
 BENCH_CACHE_DIR = REPO / ".cache" / "bench"
 LOCK_HINT = "run under `flock /tmp/mlxcel-bench.lock ...` (shared 2-core machine)"
 # mlx_lm.server's own defaults (server.py), used as they are: they do not cripple batching.
-SERVER_DEFAULTS = {"decode_concurrency": 32, "prompt_concurrency": 8, "prefill_step_size": 2048,
-                   "prompt_cache_size": 10}  # fmt: skip
+SERVER_DEFAULTS = {
+    "decode_concurrency": 32,
+    "prompt_concurrency": 8,
+    "prefill_step_size": 2048,
+    "prompt_cache_size": 10,
+}
 
 
 # --- model, tokenizer, prompts ---------------------------------------------------------------
@@ -123,13 +127,25 @@ class StreamResult:
 
 
 def completion_body(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
 def chat_body(model: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
-    return {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    return {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
 def _content(choice: dict[str, Any]) -> str:
@@ -221,11 +237,21 @@ def pool_side(
 
 
 def _server_code(model_dir: Path, port: int, extra: Sequence[str]) -> str:
-    argv = ["mlx_lm.server", "--model", str(model_dir), "--port", str(port),
-            "--log-level", "WARNING", *extra]  # fmt: skip
-    return ("from worker.mlx_cpu import blas; blas.preload_openblas(); import sys; "
-            "from mlx_lm.server import main; "
-            f"sys.argv = {argv!r}; main()")  # fmt: skip
+    argv = [
+        "mlx_lm.server",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--log-level",
+        "WARNING",
+        *extra,
+    ]
+    return (
+        "from worker.mlx_cpu import blas; blas.preload_openblas(); import sys; "
+        "from mlx_lm.server import main; "
+        f"sys.argv = {argv!r}; main()"
+    )
 
 
 def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
@@ -322,8 +348,10 @@ def machine_line() -> str:
         pass
     info = blas.preload_openblas()
     gflops = blas.measure_matmul_gflops()
-    return (f"{time.strftime('%Y-%m-%d %H:%M')}  cores={os.cpu_count()}  cpu={cpu}  "
-            f"blas={info.backend} ({gflops:.0f} GFLOPS f32 matmul)")  # fmt: skip
+    return (
+        f"{time.strftime('%Y-%m-%d %H:%M')}  cores={os.cpu_count()}  cpu={cpu}  "
+        f"blas={info.backend} ({gflops:.0f} GFLOPS f32 matmul)"
+    )
 
 
 def write_json(path: str | None, data: Any) -> None:

@@ -25,8 +25,9 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 def _commit() -> str:
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True,
-                              cwd=RESULTS_DIR.parent).stdout.strip()  # fmt: skip
+        return subprocess.run(
+            ["git", *args], capture_output=True, text=True, cwd=RESULTS_DIR.parent
+        ).stdout.strip()
 
     sha = git("rev-parse", "--short", "HEAD") or "nogit"
     return sha + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")

@@ -111,11 +111,15 @@ class SyntheticWorker:
 
     def __post_init__(self) -> None:
         info = {
-            "worker_id": self.worker_id, "model": self.plan.model, "pid": str(os.getpid()),
-            "host": socket.gethostname(), "started_at": f"{time.time():.3f}",
-            "batch_size": str(self.plan.batch_size), "storage_modes": "synthetic",
+            "worker_id": self.worker_id,
+            "model": self.plan.model,
+            "pid": str(os.getpid()),
+            "host": socket.gethostname(),
+            "started_at": f"{time.time():.3f}",
+            "batch_size": str(self.plan.batch_size),
+            "storage_modes": "synthetic",
             "canary": self.canary,
-        }  # fmt: skip
+        }
         queues = own_queues(self.conn, self.worker_id, self.plan.model)
         self.presence = WorkerPresence(self.conn, self.worker_id, queues, info)
         self.intake = RqIntake(self.presence)
@@ -126,8 +130,9 @@ class SyntheticWorker:
     def arrive(self) -> None:
         """Register, fill the block set, start the loop's thread."""
         self.presence.arrive(self._gauges())
-        fill_blocks(self.conn, keys.worker_blocks(self.worker_id, self.presence.epoch),
-                    self.plan.blocks)  # fmt: skip
+        fill_blocks(
+            self.conn, keys.worker_blocks(self.worker_id, self.presence.epoch), self.plan.blocks
+        )
         self._thread = threading.Thread(target=self._run, name=self.worker_id, daemon=True)
         self._thread.start()
 
@@ -187,18 +192,30 @@ class SyntheticWorker:
             packed: list[bytes] = []
             n = min(self.plan.tokens_per_step, seq.max_tokens - seq.produced)
             for _ in range(n):
-                packed.append(seq.event(StreamEvent(kind="delta", text=TOKEN_TEXT,
-                                                    token_ids=[TOKEN_ID])))  # fmt: skip
+                packed.append(
+                    seq.event(StreamEvent(kind="delta", text=TOKEN_TEXT, token_ids=[TOKEN_ID]))
+                )
             seq.produced += n
             self.totals.tokens += n
             if seq.produced >= seq.max_tokens:
-                packed.append(seq.event(StreamEvent(
-                    kind="done", finish_reason="length", prompt_tokens=seq.prompt_tokens,
-                    completion_tokens=seq.produced, cached_tokens=0,
-                )))  # fmt: skip
-                result = {"finish_reason": "length", "prompt_tokens": seq.prompt_tokens,
-                          "completion_tokens": seq.produced, "cached_tokens": 0,
-                          "worker_id": self.worker_id}  # fmt: skip
+                packed.append(
+                    seq.event(
+                        StreamEvent(
+                            kind="done",
+                            finish_reason="length",
+                            prompt_tokens=seq.prompt_tokens,
+                            completion_tokens=seq.produced,
+                            cached_tokens=0,
+                        )
+                    )
+                )
+                result = {
+                    "finish_reason": "length",
+                    "prompt_tokens": seq.prompt_tokens,
+                    "completion_tokens": seq.produced,
+                    "cached_tokens": 0,
+                    "worker_id": self.worker_id,
+                }
                 writes.ended.append(JobEnd(seq.taken, JobOutcome.FINISHED, result))
                 del self.running[rid]
                 self.totals.jobs += 1
@@ -213,20 +230,29 @@ class SyntheticWorker:
         for taken in self.intake.take(slots, block):
             req = taken.request
             if req is None:  # a payload the router would never have written
-                event = StreamEvent(kind="error", error=taken.error,
-                                    error_type="invalid_request_error")  # fmt: skip
+                event = StreamEvent(
+                    kind="error", error=taken.error, error_type="invalid_request_error"
+                )
                 writes.streams.append((taken, [event.to_wire()]))
                 writes.ended.append(JobEnd(taken, JobOutcome.FAILED, error=taken.error))
                 continue
             seq = _Sequence(taken, len(req.prompt_tokens), req.max_tokens)
             self.running[taken.id] = seq
-            start = StreamEvent(kind="start", prompt_tokens=seq.prompt_tokens, cached_tokens=0,
-                                worker_id=self.worker_id)  # fmt: skip
+            start = StreamEvent(
+                kind="start",
+                prompt_tokens=seq.prompt_tokens,
+                cached_tokens=0,
+                worker_id=self.worker_id,
+            )
             writes.streams.append((taken, [seq.event(start)]))
 
     def _gauges(self) -> dict[str, Any]:
-        return {"batch_current_size": len(self.running), "enabled": "1", "apc_enabled": "1",
-                "storage_mode": "synthetic"}  # fmt: skip
+        return {
+            "batch_current_size": len(self.running),
+            "enabled": "1",
+            "apc_enabled": "1",
+            "storage_mode": "synthetic",
+        }
 
 
 def fill_blocks(conn: redis.Redis, blocks_key: str, n: int) -> None:
@@ -251,8 +277,7 @@ def _answer(line: str) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    plan = Plan(args.model, args.blocks, args.step_ms / 1000, args.tokens_per_step,
-                args.batch_size)  # fmt: skip
+    plan = Plan(args.model, args.blocks, args.step_ms / 1000, args.tokens_per_step, args.batch_size)
     conn = sync_client(RedisConfig(url=args.redis_url))
     theirs = conn.hget(keys.routing_canary(), plan.model)
     canary = theirs.decode() if theirs else ""
@@ -300,8 +325,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    logging.basicConfig(
+        level=logging.WARNING,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     return serve(parse_args(argv))
 
 

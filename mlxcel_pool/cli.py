@@ -42,8 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--ready-timeout", type=float, default=600.0, help="seconds until /health")
     up.add_argument("--log-dir", type=Path, help="child logs (default <cache_dir>/logs)")
     up.add_argument("--quiet", action="store_true", help="children's output in log files only")
-    up.add_argument("--dashboard", nargs="?", type=int, const=9181, metavar="PORT",
-                    help="also run rq-dashboard on 127.0.0.1:PORT (default 9181)")  # fmt: skip
+    up.add_argument(
+        "--dashboard",
+        nargs="?",
+        type=int,
+        const=9181,
+        metavar="PORT",
+        help="also run rq-dashboard on 127.0.0.1:PORT (default 9181)",
+    )
 
     router = sub.add_parser("router", help="run the HTTP router against REDIS_URL")
     router.add_argument("--host")
@@ -181,8 +187,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     from router.auth import load_access
 
     load_access(settings.auth)  # a bad key file stops `up` here (exit 2), not in the router child
-    pool = Pool(settings, workers=args.workers, log_dir=args.log_dir or settings.cache_dir / "logs",
-                echo=None if args.quiet else sys.stdout, dashboard_port=args.dashboard)  # fmt: skip
+    pool = Pool(
+        settings,
+        workers=args.workers,
+        log_dir=args.log_dir or settings.cache_dir / "logs",
+        echo=None if args.quiet else sys.stdout,
+        dashboard_port=args.dashboard,
+    )
     say = _stderr_printer("up")
     try:
         with _stop_on_signals():
@@ -233,8 +244,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if not settings.model.path:
         # Build (in a subprocess, progress on stderr) before this process imports mlx.
         path = ensure_model(settings)
-        settings = settings.model_copy(update={"model": settings.model.model_copy(
-            update={"path": str(path)})})  # fmt: skip
+        settings = settings.model_copy(
+            update={"model": settings.model.model_copy(update={"path": str(path)})}
+        )
     from worker.main import run
 
     return run(settings)
@@ -255,9 +267,12 @@ def cmd_redis(args: argparse.Namespace) -> int:
             # Masked: a process manager (honcho) logs this line. Clients get the full URL from
             # `mlxcel-pool redis-url`, which reads the same password file.
             print(server.masked_url, flush=True)
-            print(f"mlxcel-pool redis: password in {settings.cache_dir / PASSWORD_FILE}; "
-                  f"REDIS_URL=$(mlxcel-pool redis-url --port {server.port})",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"mlxcel-pool redis: password in {settings.cache_dir / PASSWORD_FILE}; "
+                f"REDIS_URL=$(mlxcel-pool redis-url --port {server.port})",
+                file=sys.stderr,
+                flush=True,
+            )
             rc = server.process.wait()
             print(f"mlxcel-pool redis: redis-server exited with {rc}", file=sys.stderr)
             return rc or 1

@@ -175,8 +175,12 @@ def tolerate_malformed_jobs(app: Flask) -> None:
             except Exception as exc:
                 job_id = str(kwargs.get("job_id", ""))
                 job = MalformedJob.read(current_app.redis_conn, job_id, exc)  # type: ignore[attr-defined]
-                body = {"id": job.id, "status": "malformed", "description": job.description,
-                        "exc_info": job.latest_result().exc_string}  # fmt: skip
+                body = {
+                    "id": job.id,
+                    "status": "malformed",
+                    "description": job.description,
+                    "exc_info": job.latest_result().exc_string,
+                }
                 return jsonify(body), 200, {"Cache-Control": "no-store"}
 
         app.view_functions[name] = shown

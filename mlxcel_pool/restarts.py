@@ -23,8 +23,12 @@ class RestartPolicy:
 
     @classmethod
     def from_config(cls, cfg: SupervisorConfig) -> RestartPolicy:
-        return cls(cfg.restart_limit, cfg.restart_window_s, cfg.restart_backoff_s,
-                   cfg.restart_backoff_max_s)  # fmt: skip
+        return cls(
+            cfg.restart_limit,
+            cfg.restart_window_s,
+            cfg.restart_backoff_s,
+            cfg.restart_backoff_max_s,
+        )
 
     def delay_s(self, earlier: int) -> float:
         """The wait before a restart that follows `earlier` restarts within the window."""
@@ -46,10 +50,14 @@ class RestartDecision:
         """The log line for this decision about an exit described by `exit_text` (`code 2`)."""
         within = f"in the last {self.window_s:g} s"
         if self.restart:
-            return (f"{self.child} exited with {exit_text}; restarting in {self.delay_s:g} s "
-                    f"(restart {self.recent} {within})")  # fmt: skip
-        return (f"{self.child} exited with {exit_text} after {self.recent} restart(s) {within}: "
-                "crash loop, stopping the pool")  # fmt: skip
+            return (
+                f"{self.child} exited with {exit_text}; restarting in {self.delay_s:g} s "
+                f"(restart {self.recent} {within})"
+            )
+        return (
+            f"{self.child} exited with {exit_text} after {self.recent} restart(s) {within}: "
+            "crash loop, stopping the pool"
+        )
 
 
 class RestartLedger:

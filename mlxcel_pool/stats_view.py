@@ -38,8 +38,16 @@ def _age(then_s: float | None, now: float) -> str:
 
 def _pool_table(stats: dict[str, Any]) -> Table:
     t = Table(title="prompt cache (pool)", show_header=True, header_style="bold")
-    for col in ("workers alive", "hit rate", "hits / lookups", "tokens reused", "entries",
-                "bytes / capacity", "inserts", "evictions lru / ttl"):  # fmt: skip
+    for col in (
+        "workers alive",
+        "hit rate",
+        "hits / lookups",
+        "tokens reused",
+        "entries",
+        "bytes / capacity",
+        "inserts",
+        "evictions lru / ttl",
+    ):
         t.add_column(col, justify="right")
     t.add_row(
         str(stats.get("workers_alive", 0)),
@@ -75,33 +83,52 @@ def _rejects_table(stats: dict[str, Any], now: float) -> Table:
 def _workers_table(stats: dict[str, Any], now: float) -> Table:
     routing = (stats.get("routing") or {}).get("workers", {})
     t = Table(title="workers", show_header=True, header_style="bold")
-    for col, justify in (("worker", "left"), ("alive", "left"), ("heartbeat", "right"),
-                         ("model", "left"), ("host:pid", "left"), ("running", "right"),
-                         ("hit rate", "right"), ("entries", "right"), ("bytes", "right"),
-                         ("rejects", "right"), ("routed", "right"),
-                         ("predicted / reused tok", "right"), ("taken over", "right")):  # fmt: skip
+    for col, justify in (
+        ("worker", "left"),
+        ("alive", "left"),
+        ("heartbeat", "right"),
+        ("model", "left"),
+        ("host:pid", "left"),
+        ("running", "right"),
+        ("hit rate", "right"),
+        ("entries", "right"),
+        ("bytes", "right"),
+        ("rejects", "right"),
+        ("routed", "right"),
+        ("predicted / reused tok", "right"),
+        ("taken over", "right"),
+    ):
         t.add_column(col, justify=justify)  # type: ignore[arg-type]
     for wid, w in (stats.get("workers") or {}).items():
         r = routing.get(wid, {})
         rejects = sum(int(w.get(f"reject_{x.value}", 0)) for x in REJECT_REASONS)
         alive = Text("yes", style="green") if w.get("alive") else Text("dead", style="red")
         t.add_row(
-            wid, alive, _age(w.get("last_seen"), now), str(w.get("model") or "-"),
+            wid,
+            alive,
+            _age(w.get("last_seen"), now),
+            str(w.get("model") or "-"),
             f"{w.get('host') or '?'}:{w.get('pid') or '?'}",
-            str(w.get("batch_current_size", 0)), _rate(w.get("hit_rate")),
-            str(w.get("entries", 0)), _bytes(w.get("bytes")), str(rejects),
+            str(w.get("batch_current_size", 0)),
+            _rate(w.get("hit_rate")),
+            str(w.get("entries", 0)),
+            _bytes(w.get("bytes")),
+            str(rejects),
             str(r.get("routed", 0)),
             f"{r.get('predicted_tokens', 0)} / {r.get('reused_tokens', 0)}",
             str(r.get("taken_over", 0)),
-        )  # fmt: skip
+        )
     return t
 
 
 def _routing_table(stats: dict[str, Any]) -> Table:
     routing = stats.get("routing") or {}
     decisions = routing.get("decisions") or {}
-    t = Table(title=f"routing (policy {routing.get('policy', '?')})", show_header=True,
-              header_style="bold")  # fmt: skip
+    t = Table(
+        title=f"routing (policy {routing.get('policy', '?')})",
+        show_header=True,
+        header_style="bold",
+    )
     for outcome in decisions:
         t.add_column(outcome, justify="right")
     t.add_column("predicted / reused tokens", justify="right")
@@ -114,6 +141,8 @@ def _routing_table(stats: dict[str, Any]) -> Table:
 
 def render(stats: dict[str, Any], now: float) -> Group:
     return Group(
-        _pool_table(stats), _rejects_table(stats, now), _workers_table(stats, now),
+        _pool_table(stats),
+        _rejects_table(stats, now),
+        _workers_table(stats, now),
         _routing_table(stats),
-    )  # fmt: skip
+    )

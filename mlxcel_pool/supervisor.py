@@ -204,9 +204,18 @@ class Pool:
                 with open(self.log_dir / "build-model.log", "ab") as log:
                     self.model_path = ensure_model(self.settings, self._env, log)
             self._env["MLXCEL_MODEL"] = str(self.model_path)
-            self._spawn(ROUTER, [ROUTER, "--host", self.settings.router.host,
-                                 "--port", str(self.port),
-                                 "--processes", str(self.settings.router.processes)])  # fmt: skip
+            self._spawn(
+                ROUTER,
+                [
+                    ROUTER,
+                    "--host",
+                    self.settings.router.host,
+                    "--port",
+                    str(self.port),
+                    "--processes",
+                    str(self.settings.router.processes),
+                ],
+            )
             for i in range(1, self.workers + 1):
                 self.start_worker(f"w{i}")
             if self.dashboard_port is not None:
@@ -266,8 +275,11 @@ class Pool:
         child = self._children.get(worker_id)
         if child is not None and child.process.poll() is None:
             raise PoolError(f"worker {worker_id} is already running")
-        self._spawn(worker_id, ["worker", "--worker-id", worker_id,
-                                "--model", str(model or self.model_path)], env)  # fmt: skip
+        self._spawn(
+            worker_id,
+            ["worker", "--worker-id", worker_id, "--model", str(model or self.model_path)],
+            env,
+        )
 
     def stop_worker(self, worker_id: str, sig: int = signal.SIGTERM) -> int:
         """Send `sig` to the worker's process group and wait (SIGKILL after the grace period).
@@ -441,9 +453,13 @@ class Pool:
         output = ChildOutput(name, path, self.echo, width, colour)
         output.line(f"--- mlxcel-pool: starting {name}: {' '.join(argv)}")
         process = subprocess.Popen(
-            argv, env={**self._env, **(env or {})}, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            argv,
+            env={**self._env, **(env or {})},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         assert process.stdout is not None
         output.follow(process.stdout)
         self._children[name] = _Child(name, process, path, args, dict(env or {}))

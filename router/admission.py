@@ -246,8 +246,9 @@ def _max_tokens(
     context = ctx.tokenizer.context_length
     if requested is not None and requested < (0 if echo else 1):
         also = "" if echo or requested < 0 else " (0 only with 'echo': true)"
-        raise _invalid(f"'{param}' must be at least {0 if echo else 1}{also}, got {requested}.",
-                       param)  # fmt: skip
+        raise _invalid(
+            f"'{param}' must be at least {0 if echo else 1}{also}, got {requested}.", param
+        )
     if requested is not None and requested > context:
         raise _invalid(
             f"'{param}' is {requested}, above the model's context length of {context}.", param
@@ -343,11 +344,11 @@ def _template_message(i: int, m: ChatMessage) -> dict[str, Any]:
             f"{where}.content",
         )
     if m.tool_calls is not None and m.role != "assistant":
-        raise _invalid(f"'{where}.tool_calls' belongs to assistant messages only.",
-                       f"{where}.tool_calls")  # fmt: skip
+        raise _invalid(
+            f"'{where}.tool_calls' belongs to assistant messages only.", f"{where}.tool_calls"
+        )
     if m.role == "tool" and not m.tool_call_id:
-        raise _invalid(f"'{where}' (role 'tool') requires 'tool_call_id'.",
-                       f"{where}.tool_call_id")  # fmt: skip
+        raise _invalid(f"'{where}' (role 'tool') requires 'tool_call_id'.", f"{where}.tool_call_id")
     out: dict[str, Any] = {"role": m.role, "content": m.text()}
     if m.name is not None:
         out["name"] = m.name
@@ -381,8 +382,10 @@ def _forced_call(
         return None
     name = None if isinstance(choice, str) else choice.function.name  # "required": any tool
     if body.response_format not in (None, {"type": "text"}):
-        raise _invalid("A 'tool_choice' that forces a call cannot be combined with a "
-                       "'response_format'.", "tool_choice")  # fmt: skip
+        raise _invalid(
+            "A 'tool_choice' that forces a call cannot be combined with a 'response_format'.",
+            "tool_choice",
+        )
     try:
         return forced_call_grammar(tools, name, tok.tool_parser(body.chat_template), tok)
     except FormatError as exc:
@@ -401,11 +404,16 @@ def chat_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     if not isinstance(choice, str) and choice is not None:
         names = {t.function.name for t in body.tools}
         if choice.function.name not in names:
-            raise _invalid(f"'tool_choice' names the function {choice.function.name!r}, "
-                           "which 'tools' does not declare.", "tool_choice")  # fmt: skip
+            raise _invalid(
+                f"'tool_choice' names the function {choice.function.name!r}, "
+                "which 'tools' does not declare.",
+                "tool_choice",
+            )
     if body.parallel_tool_calls is False and not _forces_call(body):
-        raise _invalid("'parallel_tool_calls: false' is not supported: the model may make "
-                       "several calls.", "parallel_tool_calls")  # fmt: skip
+        raise _invalid(
+            "'parallel_tool_calls: false' is not supported: the model may make several calls.",
+            "parallel_tool_calls",
+        )
     return tools
 
 
@@ -491,8 +499,9 @@ def admit_completion(body: CompletionRequest, ctx: AdmissionContext) -> Admissio
         prompts = _completion_prompts(body, ctx.tokenizer)
         n = body.n or 1
         if len(prompts) * n > MAX_TOTAL_CHOICES:
-            raise _invalid(f"{len(prompts)} prompts x n={n} is more than {MAX_TOTAL_CHOICES} "
-                           "choices.", "n")  # fmt: skip
+            raise _invalid(
+                f"{len(prompts)} prompts x n={n} is more than {MAX_TOTAL_CHOICES} choices.", "n"
+            )
         param, requested = _requested_max_tokens(body)
         gens: list[GenerationRequest] = []
         for tokens in prompts:

@@ -183,15 +183,39 @@ class AdmissionLedger:
         t = keys.WORKER_KEY_TEMPLATES
         opened = self.gate.opened  # a release after this makes this refusal stale
         reply = self._place(
-            keys=[keys.admission_inflight(), keys.admission_queued_tokens(),
-                  keys.workers_roster(), keys.routing_stats(), keys.routing_cursor()],
-            args=[request_id, self._ttl_ms, prompt_tokens, c.max_inflight,
-                  c.max_inflight_per_worker, c.max_queued_prompt_tokens, min_alive_pttl_ms(),
-                  t["info"], t["blocks"], t["routed"], t["load"], t["prefill"], model_id,
-                  r.policy, self.block_size, self.min_match, r.decode_weight,
-                  r.balance_abs_threshold, r.balance_rel_threshold, keys.ROUTED_TTL_S * 1000,
-                  len(siblings), *siblings, *members],
-        )  # fmt: skip
+            keys=[
+                keys.admission_inflight(),
+                keys.admission_queued_tokens(),
+                keys.workers_roster(),
+                keys.routing_stats(),
+                keys.routing_cursor(),
+            ],
+            args=[
+                request_id,
+                self._ttl_ms,
+                prompt_tokens,
+                c.max_inflight,
+                c.max_inflight_per_worker,
+                c.max_queued_prompt_tokens,
+                min_alive_pttl_ms(),
+                t["info"],
+                t["blocks"],
+                t["routed"],
+                t["load"],
+                t["prefill"],
+                model_id,
+                r.policy,
+                self.block_size,
+                self.min_match,
+                r.decode_weight,
+                r.balance_abs_threshold,
+                r.balance_rel_threshold,
+                keys.ROUTED_TTL_S * 1000,
+                len(siblings),
+                *siblings,
+                *members,
+            ],
+        )
         if int(reply[0]) != 1:
             refusal = Refusal(_text(reply[1]), int(reply[2]), int(reply[3]), _text(reply[4]))
             pool_wide = refusal.scope == "pool"
@@ -219,12 +243,16 @@ class AdmissionLedger:
         observe_start(worker_id, cached_tokens)
         try:
             await self._started(
-                keys=[keys.admission_queued_tokens(),
-                      keys.worker_prefill(placed) if placed else "",
-                      keys.worker_load(placed) if placed else "", keys.worker_load(worker_id),
-                      keys.admission_inflight(), keys.routing_stats()],
+                keys=[
+                    keys.admission_queued_tokens(),
+                    keys.worker_prefill(placed) if placed else "",
+                    keys.worker_load(placed) if placed else "",
+                    keys.worker_load(worker_id),
+                    keys.admission_inflight(),
+                    keys.routing_stats(),
+                ],
                 args=[request_id, keys.ROUTED_TTL_S * 1000, worker_id, cached_tokens, placed],
-            )  # fmt: skip
+            )
         except redis.RedisError:
             log.warning("could not record the start of %s", request_id, exc_info=True)
 
@@ -244,8 +272,9 @@ class AdmissionLedger:
     def _release_call(self, request_id: str) -> dict[str, Any]:
         worker_id = self._held.pop(request_id, "")
         marked, score, members = self._marks.pop(request_id, ("", 0, []))
-        placed = [keys.worker_load(worker_id), keys.worker_prefill(worker_id)] if worker_id else [
-            "", ""]  # fmt: skip
+        placed = (
+            [keys.worker_load(worker_id), keys.worker_prefill(worker_id)] if worker_id else ["", ""]
+        )
         routed = keys.worker_routed(marked) if marked else ""
         return {
             "keys": [keys.admission_inflight(), keys.admission_queued_tokens(), *placed, routed],

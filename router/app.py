@@ -73,8 +73,11 @@ async def _until_redis_answers(settings: Settings, check: Callable[[], Awaitable
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             if time.monotonic() + delay > deadline:
                 raise
-            log.warning("Redis at %s does not answer yet (%s); retrying",
-                        masked_url(settings.redis.url), exc)  # fmt: skip
+            log.warning(
+                "Redis at %s does not answer yet (%s); retrying",
+                masked_url(settings.redis.url),
+                exc,
+            )
             await anyio.sleep(delay)
             delay = min(delay * 2, 2.0)
 
@@ -98,9 +101,9 @@ async def _build_state(settings: Settings) -> RouterState:
         # process starts is waited out, as a running router waits it out: uvicorn stops every
         # process of the router when one fails its startup.
         await _until_redis_answers(
-            settings, lambda: anyio.to_thread.run_sync(
-                check_against_workers, sync_redis, model_id, mine)
-        )  # fmt: skip
+            settings,
+            lambda: anyio.to_thread.run_sync(check_against_workers, sync_redis, model_id, mine),
+        )
     except redis.RedisError as exc:
         await aredis.aclose()
         sync_redis.close()
@@ -134,7 +137,7 @@ async def _build_state(settings: Settings) -> RouterState:
         model_id=model_id,
         catalog=ModelCatalog(
             admission, created, sync_redis, hasher, settings.router.tokenizer_copies
-        ),  # fmt: skip
+        ),
         dispatcher=dispatcher,
         aredis=aredis,
         pool_script=register_pool_script(aredis),
@@ -151,8 +154,13 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     init_labels()
     app.state.router = state
     freeze_startup_heap(log)
-    log.info("router ready: model %r from %s, routing %s, redis %s", state.model_id,
-             state.model_dir, settings.routing.policy, masked_url(settings.redis.url))  # fmt: skip
+    log.info(
+        "router ready: model %r from %s, routing %s, redis %s",
+        state.model_id,
+        state.model_dir,
+        settings.routing.policy,
+        masked_url(settings.redis.url),
+    )
     log.info("%s", app.state.access.describe())
     try:
         yield

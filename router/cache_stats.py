@@ -125,10 +125,14 @@ async def read_pool(script: AsyncScript) -> list[WorkerCacheSnapshot]:
         strs = strings.decode(errors="replace").split(_UNIT_SEPARATOR)
         snapshots.append(
             WorkerCacheSnapshot.from_values(
-                wid.decode(), alive == 1, nums, strs[_N_REJECT:_SETTINGS_END],
-                strs[_SETTINGS_END:], strs[:_N_REJECT],
+                wid.decode(),
+                alive == 1,
+                nums,
+                strs[_N_REJECT:_SETTINGS_END],
+                strs[_SETTINGS_END:],
+                strs[:_N_REJECT],
             )
-        )  # fmt: skip
+        )
     snapshots.sort(key=_by_worker_id)
     return snapshots
 

@@ -108,8 +108,9 @@ class Dispatcher:
         name = keys.worker_queue_name(worker_id) if worker_id else keys.model_queue_name(model_id)
         q = self._queues.get(name)
         if q is None:
-            q = self._queues[name] = Queue(name, connection=self.sync_redis,
-                                           serializer=MsgpackSerializer)  # fmt: skip
+            q = self._queues[name] = Queue(
+                name, connection=self.sync_redis, serializer=MsgpackSerializer
+            )
         return q
 
     def enqueue(self, req: GenerationRequest, worker_id: str = "") -> None:
@@ -257,7 +258,7 @@ class Dispatcher:
                         f"the request's stream lost events "
                         f"{attempt.next_seq}..{event.seq - 1}; its text is incomplete",
                     )
-                    return  # fmt: skip
+                    return
                 attempt.next_seq = event.seq + 1
                 if event.kind == "start":
                     attempt.worker_id = event.worker_id
@@ -313,8 +314,9 @@ class Dispatcher:
         (the reaper's verdict: never judged here from a heartbeat), on the sync client, in a
         worker thread."""
         try:
-            job = Job.fetch(attempt.job_id, connection=self.sync_redis,
-                            serializer=MsgpackSerializer)  # fmt: skip
+            job = Job.fetch(
+                attempt.job_id, connection=self.sync_redis, serializer=MsgpackSerializer
+            )
             status = job.get_status(refresh=False)
         except NoSuchJobError:
             return _JobState(
@@ -382,10 +384,12 @@ def describe(req: GenerationRequest, worker_id: str) -> str:
     """What `rq info` and rq-dashboard show for the job (rq's default is the call with every
     prompt token in it)."""
     where = f"placed on {worker_id}" if worker_id else "for any worker"
-    return (f"{req.model}: {len(req.prompt_tokens)} prompt tokens, max_tokens {req.max_tokens}, "
-            f"{where}")  # fmt: skip
+    return (
+        f"{req.model}: {len(req.prompt_tokens)} prompt tokens, max_tokens {req.max_tokens}, {where}"
+    )
 
 
 def build_queue(sync_redis: redis.Redis, model_id: str) -> Queue:
-    return Queue(keys.model_queue_name(model_id), connection=sync_redis,
-                 serializer=MsgpackSerializer)  # fmt: skip
+    return Queue(
+        keys.model_queue_name(model_id), connection=sync_redis, serializer=MsgpackSerializer
+    )

@@ -88,8 +88,11 @@ def validation_failure(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     message = str(err.get("msg", "invalid value"))
     if _is_type_mismatch(err):
         # Each member of a union refused the type: name every type the field takes.
-        wanted = [str(e.get("msg")) for e in errors if _is_type_mismatch(e)
-                  and _param_of(tuple(e.get("loc", ()))) == param]  # fmt: skip
+        wanted = [
+            str(e.get("msg"))
+            for e in errors
+            if _is_type_mismatch(e) and _param_of(tuple(e.get("loc", ()))) == param
+        ]
         rest = [m.removeprefix("Input should be ") for m in dict.fromkeys(wanted) if m != message]
         message = " or ".join([message, *rest])
     where = f"'{param}'" if param else "the request body"
@@ -127,11 +130,15 @@ async def _redis_unreachable(request: Request, exc: Exception) -> JSONResponse:
     request now. A 503 the client may retry, not a 500."""
     log.warning("Redis error on %s %s: %s", request.method, request.url.path, exc)
     return JSONResponse(
-        error_body("The pool's queue (Redis) is unreachable; retry shortly.", "server_error",
-                   None, "redis_unavailable"),
+        error_body(
+            "The pool's queue (Redis) is unreachable; retry shortly.",
+            "server_error",
+            None,
+            "redis_unavailable",
+        ),
         status_code=503,
         headers={"Retry-After": "1"},
-    )  # fmt: skip
+    )
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

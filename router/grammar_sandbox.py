@@ -67,8 +67,10 @@ class _Helper:
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "router.grammar_sandbox", str(down_r), str(up_w)],
-                pass_fds=(down_r, up_w), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            )  # fmt: skip
+                pass_fds=(down_r, up_w),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+            )
         except BaseException:
             for fd in (down_r, down_w, up_r, up_w):
                 os.close(fd)
@@ -132,9 +134,13 @@ class GrammarSandbox:
         self._started = 0  # helpers alive or being started, at most `helpers`
         self._pid = os.getpid()
 
-    def call(self, fn: Callable[..., Any], *args: Any, key: str | None = None,
-             setup: Callable[[], tuple[Callable[..., Any], tuple[Any, ...]]] | None = None,
-             ) -> Any:  # fmt: skip
+    def call(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        key: str | None = None,
+        setup: Callable[[], tuple[Callable[..., Any], tuple[Any, ...]]] | None = None,
+    ) -> Any:
         """`fn(*args)` in a helper. `setup` (with `key`): the call that loads what `fn` needs,
         made first on a helper that has not made it yet. Raises SandboxError when the helper
         crashes or times out, CallFailed when the function raised."""

@@ -86,8 +86,11 @@ def token_table(tokenizer: PromptTokenizer) -> TokenTable:
 
 def _gpt2_byte_decoder() -> dict[str, int]:
     """The inverse of GPT-2's bytes_to_unicode: a byte-level BPE token's characters -> bytes."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]  # fmt: skip
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars, extra = {b: b for b in printable}, 0
     for b in range(256):
         if b not in chars:
@@ -129,8 +132,11 @@ def _token_bytes(hf: Any, vocab_size: int) -> list[bytes]:
             out.append(bytes(_BYTE_DECODER[c] for c in piece))
         elif "ByteFallback" in kinds or "Metaspace" in kinds:
             byte = _BYTE_FALLBACK.fullmatch(piece)
-            out.append(bytes([int(byte.group(1), 16)]) if byte else
-                       piece.replace("\u2581", " ").encode("utf-8"))  # fmt: skip
+            out.append(
+                bytes([int(byte.group(1), 16)])
+                if byte
+                else piece.replace("\u2581", " ").encode("utf-8")
+            )
         else:
             out.append(hf.decode([tid]).encode("utf-8"))
     return out

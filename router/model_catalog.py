@@ -106,8 +106,9 @@ class ModelCatalog:
                 f"as {mine}: tokenizer, chat template or APC_BLOCK_SIZE/APC_HASH differ"
             )
         self.r.hset(keys.routing_canary(), live.model_id, mine)
-        log.info("serving model %r too (a live worker loaded it from %s)", live.model_id,
-                 live.model_dir)  # fmt: skip
+        log.info(
+            "serving model %r too (a live worker loaded it from %s)", live.model_id, live.model_dir
+        )
         return replace(self.primary, model_id=live.model_id, tokenizer=tokenizer)
 
 

@@ -240,8 +240,12 @@ class ResponseFormat:
             }
             out = self._envelope("chat.completion", [choice])
         else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs,
-                      "finish_reason": finish_reason}  # fmt: skip
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
             out = self._envelope("text_completion", [choice])
         out["usage"] = usage.body()
         return out
@@ -266,8 +270,12 @@ class ResponseFormat:
                 delta["tool_calls"] = [
                     {"index": first_index + i, **call} for i, call in enumerate(tool_calls)
                 ]
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs,
-                      "finish_reason": finish_reason}  # fmt: skip
+            choice = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
             return self._envelope("chat.completion.chunk", [choice])
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._envelope("text_completion", [choice])

@@ -205,12 +205,14 @@ def forced_call_grammar(
         # Its own base URI: a `#...` $ref in the parameters resolves against them, not against
         # the call object they are nested in.
         params = {"$id": f"urn:mlxcel:tool:{i}", **params}
-        variants.append({
-            "type": "object",
-            "properties": {"name": {"const": fn["name"]}, "arguments": params},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        })  # fmt: skip
+        variants.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": fn["name"]}, "arguments": params},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
     if not variants:
         raise FormatError(f"No tool named {name!r} is declared.")
     # anyOf, not oneOf: the names are consts, so the branches never overlap, and llguidance

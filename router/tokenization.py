@@ -254,10 +254,18 @@ def load_tokenizer(model_dir: Path, copies: int = 1) -> PromptTokenizer:
 # Normalizers and pre-tokenizers that can drop characters (so that a run of them becomes no
 # token at all), and tokenizer models that can cover an unknown span of any length with one
 # token: with any of them a tokenizer's characters per token have no bound but the general one.
-_DROPPING = frozenset({
-    "BertNormalizer", "StripAccents", "Strip", "Precompiled", "BertPreTokenizer", "Whitespace",
-    "WhitespaceSplit", "CharDelimiterSplit",
-})  # fmt: skip
+_DROPPING = frozenset(
+    {
+        "BertNormalizer",
+        "StripAccents",
+        "Strip",
+        "Precompiled",
+        "BertPreTokenizer",
+        "Whitespace",
+        "WhitespaceSplit",
+        "CharDelimiterSplit",
+    }
+)
 
 
 def chars_per_token_bound(hf: Any) -> int:

@@ -120,11 +120,13 @@ def openai_tool_calls(parsed: Any) -> list[dict[str, Any]]:
         args = call.get("arguments", {})
         arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
         call_id = call.get("id") if isinstance(call.get("id"), str) else None
-        out.append({
-            "id": call_id or f"call_{uuid.uuid4().hex[:24]}",
-            "type": "function",
-            "function": {"name": call["name"], "arguments": arguments},
-        })  # fmt: skip
+        out.append(
+            {
+                "id": call_id or f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": call["name"], "arguments": arguments},
+            }
+        )
     return out
 
 

@@ -78,10 +78,14 @@ def sync_client(config: RedisConfig, report_failover: bool = False) -> redis.Red
             sentinel_kwargs=_sentinel_options(config, target, Retry(_backoff(), 1, _RETRY_ON)),
         )
         return sentinel.master_for(
-            target.service_name, connection_pool_class=_BlockingSentinelPool,
-            connection_class=_SentinelConnection, retry=retry, report_failover=report_failover,
-            **_primary_options(target), **_options(config),
-        )  # fmt: skip
+            target.service_name,
+            connection_pool_class=_BlockingSentinelPool,
+            connection_class=_SentinelConnection,
+            retry=retry,
+            report_failover=report_failover,
+            **_primary_options(target),
+            **_options(config),
+        )
     pool = redis.BlockingConnectionPool.from_url(config.url, retry=retry, **_options(config))
     return redis.Redis(connection_pool=pool)
 
@@ -95,10 +99,13 @@ def async_client(config: RedisConfig) -> aioredis.Redis:
             sentinel_kwargs=_sentinel_options(config, target, AsyncRetry(_backoff(), 1, _RETRY_ON)),
         )
         return sentinel.master_for(
-            target.service_name, connection_pool_class=_AsyncBlockingSentinelPool,
-            connection_class=_AsyncSentinelConnection, retry=retry,
-            **_primary_options(target), **_options(config),
-        )  # fmt: skip
+            target.service_name,
+            connection_pool_class=_AsyncBlockingSentinelPool,
+            connection_class=_AsyncSentinelConnection,
+            retry=retry,
+            **_primary_options(target),
+            **_options(config),
+        )
     pool = aioredis.BlockingConnectionPool.from_url(config.url, retry=retry, **_options(config))
     return aioredis.Redis(connection_pool=pool)
 
@@ -180,15 +187,17 @@ class _Follow:
             return
         if address != self.known:
             if self.known is not None:
-                log.warning("Redis primary moved (Sentinel failover): %s",
-                            _moved(self.known, address))  # fmt: skip
+                log.warning(
+                    "Redis primary moved (Sentinel failover): %s", _moved(self.known, address)
+                )
             self.known = address
         if self.owner != threading.get_ident() or address == self.primary:
             return
         before, self.primary = self.primary, address
         if before is not None and self.owner_ok:
-            raise redis.ConnectionError(f"the Redis primary moved (Sentinel failover): "
-                                        f"{_moved(before, address)}")  # fmt: skip
+            raise redis.ConnectionError(
+                f"the Redis primary moved (Sentinel failover): {_moved(before, address)}"
+            )
 
 
 def _moved(before: tuple[str, int], after: tuple[str, int]) -> str:

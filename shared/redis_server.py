@@ -133,8 +133,13 @@ class EmbeddedRedis:
         """Stop this server (if still running) and start an empty one on the same host, port and
         passwords, so clients keep their URL and reconnect."""
         self.stop()
-        return start_redis(port=self.port, host=self.host, timeout=timeout, password=self.password,
-                           admin_password=self.admin_password)  # fmt: skip
+        return start_redis(
+            port=self.port,
+            host=self.host,
+            timeout=timeout,
+            password=self.password,
+            admin_password=self.admin_password,
+        )
 
 
 def start_redis(
@@ -177,9 +182,23 @@ def start_redis(
         if replicaof is not None:
             f.write(f"replicaof {replicaof[0]} {replicaof[1]}\n")
     args = [
-        redis_server_binary(), conf, "--port", str(port), "--bind", host, "--save", "",
-        "--appendonly", "no", "--dir", workdir, "--daemonize", "no", "--loglevel", "warning",
-    ]  # fmt: skip
+        redis_server_binary(),
+        conf,
+        "--port",
+        str(port),
+        "--bind",
+        host,
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        workdir,
+        "--daemonize",
+        "no",
+        "--loglevel",
+        "warning",
+    ]
     proc = subprocess.Popen(
         args,
         stdout=subprocess.DEVNULL,
@@ -252,8 +271,9 @@ def _wait_answers(server: EmbeddedRedis, timeout: float) -> None:
         if server.process.poll() is not None:
             stderr = server.process.stderr
             err = stderr.read().decode(errors="replace") if stderr else ""
-            raise RedisServerError(f"redis-server exited with {server.process.returncode}: "
-                                   f"{err.strip()}")  # fmt: skip
+            raise RedisServerError(
+                f"redis-server exited with {server.process.returncode}: {err.strip()}"
+            )
         try:
             if _answers(server.host, server.port, probe):
                 return
@@ -261,8 +281,9 @@ def _wait_answers(server: EmbeddedRedis, timeout: float) -> None:
             pass
         time.sleep(0.05)
     server.stop()
-    raise RedisServerError(f"redis-server did not answer on {server.host}:{server.port} "
-                           f"within {timeout}s")  # fmt: skip
+    raise RedisServerError(
+        f"redis-server did not answer on {server.host}:{server.port} within {timeout}s"
+    )
 
 
 def _answers(host: str, port: int, probe: bytes) -> bool:

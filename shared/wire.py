@@ -57,8 +57,15 @@ class WireError(ValueError):
 
 # Wire types are exact (`type(v) in types`): msgpack only makes builtins, and bool is no int here.
 _NUMBER = (int, float)
-_TYPE_NAMES = {int: "an int", float: "a float", str: "a str", list: "a list", dict: "a map",
-               bool: "a bool", type(None): "nil"}  # fmt: skip
+_TYPE_NAMES = {
+    int: "an int",
+    float: "a float",
+    str: "a str",
+    list: "a list",
+    dict: "a map",
+    bool: "a bool",
+    type(None): "nil",
+}
 
 
 def _unpack_message(cls: type, data: Any) -> Any:
@@ -164,21 +171,39 @@ class GenerationRequest:
     group: str = ""
 
     WIRE_TYPES: ClassVar[dict[str, tuple[type, ...]]] = {
-        "request_id": (str,), "model": (str,), "prompt_tokens": (list,), "max_tokens": (int,),
-        "temperature": _NUMBER, "top_p": _NUMBER, "seed": (int, type(None)), "top_k": (int,),
-        "min_p": _NUMBER, "repetition_penalty": _NUMBER, "presence_penalty": _NUMBER,
-        "frequency_penalty": _NUMBER, "logit_bias": (dict,), "logprobs": (int, type(None)),
-        "prompt_logprobs": (int, type(None)), "echo": (bool,), "stop": (list,),
+        "request_id": (str,),
+        "model": (str,),
+        "prompt_tokens": (list,),
+        "max_tokens": (int,),
+        "temperature": _NUMBER,
+        "top_p": _NUMBER,
+        "seed": (int, type(None)),
+        "top_k": (int,),
+        "min_p": _NUMBER,
+        "repetition_penalty": _NUMBER,
+        "presence_penalty": _NUMBER,
+        "frequency_penalty": _NUMBER,
+        "logit_bias": (dict,),
+        "logprobs": (int, type(None)),
+        "prompt_logprobs": (int, type(None)),
+        "echo": (bool,),
+        "stop": (list,),
         "grammar": (str, type(None)),
-        "session_key": (str,), "template_signature": (str,), "adapter_id": (str,),
-        "enqueued_at": _NUMBER, "group": (str,),
-    }  # fmt: skip
+        "session_key": (str,),
+        "template_signature": (str,),
+        "adapter_id": (str,),
+        "enqueued_at": _NUMBER,
+        "group": (str,),
+    }
 
     # Fields left out of the wire at their default, so a worker from before them still reads
     # the requests that do not use them (a rolling upgrade mixes versions for a while).
     OMITTED_AT_DEFAULT: ClassVar[dict[str, Any]] = {
-        "grammar": None, "group": "", "prompt_logprobs": None, "echo": False,
-    }  # fmt: skip
+        "grammar": None,
+        "group": "",
+        "prompt_logprobs": None,
+        "echo": False,
+    }
 
     def to_wire(self) -> dict[str, Any]:
         # Shallow, not asdict, which deep-copies every prompt token on the router's enqueue
@@ -201,8 +226,9 @@ class GenerationRequest:
         try:
             numbers = float(req.temperature), float(req.top_p), float(req.enqueued_at)
         except OverflowError as exc:
-            raise WireError("GenerationRequest: temperature, top_p or enqueued_at is too big "
-                            "for a float") from exc  # fmt: skip
+            raise WireError(
+                "GenerationRequest: temperature, top_p or enqueued_at is too big for a float"
+            ) from exc
         req.temperature, req.top_p, req.enqueued_at = numbers
         if not (math.isfinite(req.temperature) and req.temperature >= 0):
             raise WireError(
@@ -296,12 +322,20 @@ class StreamEvent:
 
     KINDS: ClassVar[frozenset[str]] = frozenset({"start", "delta", "done", "error"})
     WIRE_TYPES: ClassVar[dict[str, tuple[type, ...]]] = {
-        "kind": (str,), "seq": (int,), "text": (str,), "token_ids": (list,),
-        "logprobs": (list,), "prompt_logprobs": (list,), "finish_reason": (str, type(None)),
+        "kind": (str,),
+        "seq": (int,),
+        "text": (str,),
+        "token_ids": (list,),
+        "logprobs": (list,),
+        "prompt_logprobs": (list,),
+        "finish_reason": (str, type(None)),
         "prompt_tokens": (int,),
-        "completion_tokens": (int,), "cached_tokens": (int,),
-        "worker_id": (str,), "error": (str,), "error_type": (str,),
-    }  # fmt: skip
+        "completion_tokens": (int,),
+        "cached_tokens": (int,),
+        "worker_id": (str,),
+        "error": (str,),
+        "error_type": (str,),
+    }
 
     # As GenerationRequest's: a router from before prompt_logprobs reads every event of a
     # request that does not ask for them.
@@ -383,8 +417,11 @@ class ControlReply:
     error: str = ""
 
     WIRE_TYPES: ClassVar[dict[str, tuple[type, ...]]] = {
-        "worker_id": (str,), "kind": (str,), "result": (dict,), "error": (str,),
-    }  # fmt: skip
+        "worker_id": (str,),
+        "kind": (str,),
+        "result": (dict,),
+        "error": (str,),
+    }
 
     def to_wire(self) -> bytes:
         return pack(dataclasses.asdict(self))

@@ -77,8 +77,11 @@ class WorkerProcess:
         (log_dir / "prom").mkdir(exist_ok=True)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", *(argv or ["mlxcel_pool", "worker"])],
-            env=full_env, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT, cwd=REPO,
-        )  # fmt: skip
+            env=full_env,
+            stdout=self.log_path.open("w"),
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
         self.redis = redis.Redis.from_url(redis_url)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
@@ -146,8 +149,9 @@ class MlxReference:
         from mlx_lm import stream_generate
 
         text, n = "", 0
-        for resp in stream_generate(self.model, self.tokenizer, prompt_tokens,
-                                    max_tokens=max_tokens):  # fmt: skip
+        for resp in stream_generate(
+            self.model, self.tokenizer, prompt_tokens, max_tokens=max_tokens
+        ):
             text += resp.text
             n = resp.generation_tokens
             if resp.finish_reason == "stop":

@@ -32,9 +32,7 @@ MODEL = "served-model"  # the id admission is told it serves (the tiny model, re
 CLEAN = st.text(max_size=12)
 # Text as JSON decoding hands it over: lone surrogates included.
 TEXT = CLEAN | st.text(st.characters() | st.sampled_from(["\ud800", "\udfff"]), max_size=12)
-JSON_SCALARS = (
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | TEXT
-)  # fmt: skip
+JSON_SCALARS = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | TEXT
 JSON = st.recursive(
     JSON_SCALARS,
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3),
@@ -71,8 +69,9 @@ MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "user", "assistant", "robot"]), "content": CONTENT},
     optional={"name": CLEAN},
 )
-COMPLETION = {"prompt": CLEAN | st.lists(st.integers(0, 1000), max_size=8)
-              | st.lists(CLEAN, max_size=1)}  # fmt: skip
+COMPLETION = {
+    "prompt": CLEAN | st.lists(st.integers(0, 1000), max_size=8) | st.lists(CLEAN, max_size=1)
+}
 CHAT = {"messages": st.lists(MESSAGE, max_size=3)}
 CHAT_SAMPLING = {**SAMPLING, "max_completion_tokens": st.integers(1, 64)}
 

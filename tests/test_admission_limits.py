@@ -55,11 +55,18 @@ MODEL = "m"
 
 
 def _ledger(redis_url: str, **bounds: Any) -> _Ledger:
-    config = AdmissionConfig(**{"max_inflight": 0, "max_inflight_per_worker": 0,
-                                "max_queued_prompt_tokens": 0, **bounds})  # fmt: skip
-    return _Ledger(AdmissionLedger(config, RoutingConfig(), PromptCacheConfig(),
-                                   redis.Redis.from_url(redis_url),
-                                   aioredis.Redis.from_url(redis_url)))  # fmt: skip
+    config = AdmissionConfig(
+        **{"max_inflight": 0, "max_inflight_per_worker": 0, "max_queued_prompt_tokens": 0, **bounds}
+    )
+    return _Ledger(
+        AdmissionLedger(
+            config,
+            RoutingConfig(),
+            PromptCacheConfig(),
+            redis.Redis.from_url(redis_url),
+            aioredis.Redis.from_url(redis_url),
+        )
+    )
 
 
 def _worker(r: redis.Redis, wid: str, fresh: bool) -> None:
@@ -74,7 +81,10 @@ def test_the_ledger_bounds_requests_in_flight_and_frees_them(redis_url: str) -> 
     assert [ledger.reserve(f"r{i}", 10) for i in range(3)] == [None, None, None]
     refused = ledger.reserve("r3", 10)
     assert refused is not None and (refused.reason, refused.current, refused.bound) == (
-        "inflight", 3, 3)  # fmt: skip
+        "inflight",
+        3,
+        3,
+    )
     assert "3 requests in flight" in refused.message()
     asyncio.run(ledger.release("r1"))
     assert ledger.reserve("r3", 10) is None
@@ -155,16 +165,26 @@ def test_past_the_bound_a_request_gets_a_429_before_anything_is_enqueued(
     pool = bounded_pool
     r = redis.Redis.from_url(pool.redis_url)
     model = httpx.get(f"{pool.url}/health", timeout=10).json()["model"]
-    body = {"model": model, "prompt": "The quick brown fox", "max_tokens": 400,
-            "temperature": 0, "stream": True}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": "The quick brown fox",
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+    }
 
     async def flood() -> list[httpx.Response]:
         # Two router processes behind one port: both count into the same ledger.
         async with httpx.AsyncClient(base_url=pool.url, timeout=60) as client:
-            first = [asyncio.create_task(client.post("/v1/completions", json=body))
-                     for _ in range(BOUND)]  # fmt: skip
-            await asyncio.to_thread(wait_for, lambda: r.zcard(keys.admission_inflight()) == BOUND,
-                                    10, "the first requests admitted")  # fmt: skip
+            first = [
+                asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(BOUND)
+            ]
+            await asyncio.to_thread(
+                wait_for,
+                lambda: r.zcard(keys.admission_inflight()) == BOUND,
+                10,
+                "the first requests admitted",
+            )
             rest = [await client.post("/v1/completions", json=body) for _ in range(5)]
             return [*await asyncio.gather(*first), *rest]
 
@@ -239,8 +259,12 @@ def test_a_body_past_the_limit_is_a_413_declared_or_chunked(small_router: str) -
             yield b"a" * 1024
         yield b'"}'
 
-    resp = httpx.post(f"{small_router}/v1/completions", content=chunks(), timeout=10,
-                      headers={"Content-Type": "application/json"})  # fmt: skip
+    resp = httpx.post(
+        f"{small_router}/v1/completions",
+        content=chunks(),
+        timeout=10,
+        headers={"Content-Type": "application/json"},
+    )
     assert resp.status_code == 413
     assert resp.json()["error"]["type"] == "invalid_request_error"
 
@@ -251,8 +275,9 @@ def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing(
     context = load_tokenizer(tiny_model_dir).context_length
     model = tiny_model_dir.resolve().name
     text = "ab " * (context * MAX_CHARS_PER_TOKEN // 3 + 1)
-    resp = httpx.post(f"{router_url}/v1/completions", timeout=30,
-                      json={"model": model, "prompt": text})  # fmt: skip
+    resp = httpx.post(
+        f"{router_url}/v1/completions", timeout=30, json={"model": model, "prompt": text}
+    )
     assert resp.status_code == 400
     err = resp.json()["error"]
     assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
@@ -266,8 +291,11 @@ def test_a_requests_own_chat_template_is_refused_unless_trusted(
     router_url: str, tiny_model_dir: Path
 ) -> None:
     model = tiny_model_dir.resolve().name
-    body = {"model": model, "messages": [{"role": "user", "content": "hi"}],
-            "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}  # fmt: skip
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "hi"}],
+        "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}",
+    }
     resp = httpx.post(f"{router_url}/v1/chat/completions", json=body, timeout=10)
     assert resp.status_code == 400
     assert resp.json()["error"]["param"] == "chat_template"
@@ -282,8 +310,10 @@ def test_a_requests_own_chat_template_is_refused_unless_trusted(
 def test_too_many_messages_are_refused(router_url: str, tiny_model_dir: Path) -> None:
     from router.admission import MAX_MESSAGES
 
-    body = {"model": tiny_model_dir.resolve().name,
-            "messages": [{"role": "user", "content": "x"}] * (MAX_MESSAGES + 1)}  # fmt: skip
+    body = {
+        "model": tiny_model_dir.resolve().name,
+        "messages": [{"role": "user", "content": "x"}] * (MAX_MESSAGES + 1),
+    }
     resp = httpx.post(f"{router_url}/v1/chat/completions", json=body, timeout=10)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"
 

@@ -48,8 +48,12 @@ def test_no_request_makes_a_server_error(fuzz_pool: Any) -> None:
     for operation in operations:
 
         @given(case=operation.as_strategy())
-        @settings(max_examples=EXAMPLES, deadline=None, database=None,
-                  suppress_health_check=list(HealthCheck))  # fmt: skip
+        @settings(
+            max_examples=EXAMPLES,
+            deadline=None,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
         def answers_without_a_5xx(case: Any) -> None:
             _aim(case.body, model)
             response = case.call(base_url=fuzz_pool.url, timeout=60)

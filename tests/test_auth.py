@@ -64,11 +64,13 @@ def keyed(
     from its own file; /metrics left open (the default)."""
     tmp = tmp_path_factory.mktemp("keyed")
     settings = _env_settings(
-        redis_server.url, tiny_model_dir, tmp,
+        redis_server.url,
+        tiny_model_dir,
+        tmp,
         MLXCEL_API_KEYS=f" {ENV_KEYS[0]} ,{ENV_KEYS[1]}",
         MLXCEL_API_KEY_FILE=str(_write_keys(tmp / "keys.txt", FILE_KEY)),
         MLXCEL_ADMIN_API_KEY_FILE=str(_write_keys(tmp / "admin.txt", ADMIN_KEY)),
-    )  # fmt: skip
+    )
     server, app = _serve(settings)
     yield server.url, app
     server.stop()
@@ -81,9 +83,12 @@ def plain(
     """One regular key, no admin key, /metrics closed."""
     tmp = tmp_path_factory.mktemp("plain")
     settings = _env_settings(
-        redis_server.url, tiny_model_dir, tmp,
-        MLXCEL_API_KEYS=ENV_KEYS[0], MLXCEL_METRICS_OPEN="false",
-    )  # fmt: skip
+        redis_server.url,
+        tiny_model_dir,
+        tmp,
+        MLXCEL_API_KEYS=ENV_KEYS[0],
+        MLXCEL_METRICS_OPEN="false",
+    )
     server, _ = _serve(settings)
     yield server.url
     server.stop()
@@ -129,9 +134,15 @@ def test_every_route_needs_a_key_but_health_and_open_metrics(
     url, app = keyed
     calls = _every_route(app)
     # The walk really covers the app (an empty one would pass everything below).
-    expected = {("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-                ("GET", "/v1/models"), ("GET", "/health"), ("GET", "/metrics"),
-                ("GET", "/v1/cache/stats"), ("POST", RESET)}  # fmt: skip
+    expected = {
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/v1/models"),
+        ("GET", "/health"),
+        ("GET", "/metrics"),
+        ("GET", "/v1/cache/stats"),
+        ("POST", RESET),
+    }
     assert expected <= set(calls)
     for method, path in calls:
         anonymous = _call(url, method, path)
@@ -182,9 +193,19 @@ def test_the_scheme_is_case_insensitive(keyed: tuple[str, FastAPI]) -> None:
         {"X-API-Key": ENV_KEYS[0]},
         {"Authorization": "Bearer # keys for the test pool"},  # a comment line is no key
     ],
-    ids=["missing", "longer", "shorter", "wrong", "empty", "basic", "token", "bare", "x-api-key",
-         "comment"],
-)  # fmt: skip
+    ids=[
+        "missing",
+        "longer",
+        "shorter",
+        "wrong",
+        "empty",
+        "basic",
+        "token",
+        "bare",
+        "x-api-key",
+        "comment",
+    ],
+)
 def test_missing_wrong_and_foreign_credentials_are_401(
     keyed: tuple[str, FastAPI], headers: dict[str, str]
 ) -> None:
@@ -284,12 +305,20 @@ def test_a_key_file_without_keys_or_with_a_bad_line_is_refused(tmp_path: Path) -
 
 
 def test_cli_router_with_a_missing_key_file_exits_2(tmp_path: Path) -> None:
-    env = {**os.environ, "REDIS_URL": "redis://127.0.0.1:1/0", "MLXCEL_CACHE_DIR": str(tmp_path),
-           "MLXCEL_API_KEY_FILE": str(tmp_path / "gone.txt")}  # fmt: skip
+    env = {
+        **os.environ,
+        "REDIS_URL": "redis://127.0.0.1:1/0",
+        "MLXCEL_CACHE_DIR": str(tmp_path),
+        "MLXCEL_API_KEY_FILE": str(tmp_path / "gone.txt"),
+    }
     proc = subprocess.run(
-        [sys.executable, "-m", "mlxcel_pool", "router"], cwd=REPO, env=env,
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [sys.executable, "-m", "mlxcel_pool", "router"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "MLXCEL_API_KEY_FILE" in proc.stderr and "gone.txt" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -315,9 +344,12 @@ def test_startup_log_says_auth_is_on_and_never_shows_a_key(
 ) -> None:
     caplog.set_level(logging.DEBUG)
     settings = _env_settings(
-        redis_url, tiny_model_dir, tmp_path,
-        MLXCEL_API_KEYS=",".join(ENV_KEYS), MLXCEL_ADMIN_API_KEYS=ADMIN_KEY,
-    )  # fmt: skip
+        redis_url,
+        tiny_model_dir,
+        tmp_path,
+        MLXCEL_API_KEYS=",".join(ENV_KEYS),
+        MLXCEL_ADMIN_API_KEYS=ADMIN_KEY,
+    )
     server, _ = _serve(settings)
     try:
         httpx.get(f"{server.url}/v1/models", headers=_bearer("sk-wrong-but-logged?"))
@@ -325,8 +357,9 @@ def test_startup_log_says_auth_is_on_and_never_shows_a_key(
     finally:
         server.stop()
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("API keys:")]
-    assert lines == ["API keys: on (2 key(s); 1 admin key(s) for /v1/cache/reset); "
-                     "open: /health, /metrics"]  # fmt: skip
+    assert lines == [
+        "API keys: on (2 key(s); 1 admin key(s) for /v1/cache/reset); open: /health, /metrics"
+    ]
     assert not any(k in caplog.text for k in (*ALL_KEYS, "sk-wrong-but-logged?"))
 
 
@@ -337,15 +370,32 @@ def test_served_router_honours_keys_and_logs_no_key(
     the settings they inherit, and its log says auth is on without showing a key."""
     port = free_port()
     log_path = tmp_path / "router.log"
-    env = {**os.environ, "REDIS_URL": redis_url, "MLXCEL_MODEL": str(tiny_model_dir),
-           "MLXCEL_CACHE_DIR": str(tmp_path), "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "prom"),
-           "MLXCEL_API_KEY_FILE": str(_write_keys(tmp_path / "keys.txt", *ENV_KEYS))}  # fmt: skip
+    env = {
+        **os.environ,
+        "REDIS_URL": redis_url,
+        "MLXCEL_MODEL": str(tiny_model_dir),
+        "MLXCEL_CACHE_DIR": str(tmp_path),
+        "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "prom"),
+        "MLXCEL_API_KEY_FILE": str(_write_keys(tmp_path / "keys.txt", *ENV_KEYS)),
+    }
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "mlxcel_pool", "router", "--port", str(port),
-             "--processes", "2"], cwd=REPO, env=env, start_new_session=True,
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "mlxcel_pool",
+                "router",
+                "--port",
+                str(port),
+                "--processes",
+                "2",
+            ],
+            cwd=REPO,
+            env=env,
+            start_new_session=True,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60

@@ -122,8 +122,15 @@ print(os.environ.get("OPENBLAS_THREAD_TIMEOUT"))
 
 
 def _last_line(code: str, env: dict[str, str]) -> str:
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=60, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     return out.stdout.strip().splitlines()[-1]
 
 

@@ -68,9 +68,13 @@ def test_a_zero_hold_never_shuts() -> None:
 
 def _other_router(redis_url: str) -> AdmissionLedger:
     config = AdmissionConfig(max_inflight=1, max_inflight_per_worker=0)
-    return AdmissionLedger(config, RoutingConfig(), PromptCacheConfig(),
-                           redis.Redis.from_url(redis_url),
-                           aioredis.Redis.from_url(redis_url))  # fmt: skip
+    return AdmissionLedger(
+        config,
+        RoutingConfig(),
+        PromptCacheConfig(),
+        redis.Redis.from_url(redis_url),
+        aioredis.Redis.from_url(redis_url),
+    )
 
 
 KEY = "sk-gate-test"
@@ -157,8 +161,9 @@ def test_a_busy_model_shuts_only_its_own_door_and_never_refuses_another(redis_ur
     model B's idle worker still takes B's, whatever A has in flight."""
     r = redis.Redis.from_url(redis_url)
     config = AdmissionConfig(max_inflight=100, max_inflight_per_worker=2, busy_hold_ms=60_000)
-    ledger = AdmissionLedger(config, RoutingConfig(), PromptCacheConfig(), r,
-                             aioredis.Redis.from_url(redis_url))  # fmt: skip
+    ledger = AdmissionLedger(
+        config, RoutingConfig(), PromptCacheConfig(), r, aioredis.Redis.from_url(redis_url)
+    )
     for wid, model in (("a1", "A"), ("a2", "A"), ("b1", "B")):
         _live_worker(r, wid, model)
     held = [f"a{i}" for i in range(4)]
@@ -167,7 +172,11 @@ def test_a_busy_model_shuts_only_its_own_door_and_never_refuses_another(redis_ur
         refused = ledger.reserve("a-more", 4, "A", [])
         assert not isinstance(refused, Placement)
         assert (refused.reason, refused.scope, refused.current, refused.bound) == (
-            "inflight", "model", 4, 4)  # fmt: skip
+            "inflight",
+            "model",
+            4,
+            4,
+        )
         assert ledger.gate.refusal("A") is not None
         assert ledger.gate.refusal() is None and ledger.gate.refusal("B") is None
         b = ledger.reserve("b0", 4, "B", [])
@@ -182,8 +191,9 @@ def test_a_busy_model_shuts_only_its_own_door_and_never_refuses_another(redis_ur
 def test_too_many_choices_or_a_stale_count_shut_nothing(redis_url: str) -> None:
     r = redis.Redis.from_url(redis_url)
     config = AdmissionConfig(max_inflight=3, max_inflight_per_worker=0, busy_hold_ms=60_000)
-    ledger = AdmissionLedger(config, RoutingConfig(), PromptCacheConfig(), r,
-                             aioredis.Redis.from_url(redis_url))  # fmt: skip
+    ledger = AdmissionLedger(
+        config, RoutingConfig(), PromptCacheConfig(), r, aioredis.Redis.from_url(redis_url)
+    )
     try:
         assert isinstance(ledger.reserve("one", 4, "m", []), Placement)
         # Three more choices do not fit in the two places left, but a lone request would.

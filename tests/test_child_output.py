@@ -19,9 +19,11 @@ class _Tty(io.StringIO):
 def test_lines_reach_the_terminal_prefixed_and_the_log_file(tmp_path: Path) -> None:
     term = io.StringIO()
     out = ChildOutput("w1", tmp_path / "w1.log", term, width=6, colour=0)
-    child = subprocess.Popen([sys.executable, "-c", "import sys; print('one'); "
-                              "print('two', file=sys.stderr)"],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; print('one'); print('two', file=sys.stderr)"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     assert child.stdout is not None
     out.follow(child.stdout).join(10)
     assert child.wait(10) == 0

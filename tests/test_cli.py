@@ -110,8 +110,12 @@ def _start_redis_command(
 ) -> str:
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlxcel_pool", "redis", "--port", str(port)],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+    )
     spawned.append(proc)
     return _wait_line(_lines(proc.stdout), "redis://", 30)  # type: ignore[arg-type]
 
@@ -182,12 +186,26 @@ def test_up_serves_a_completion_and_stops_cleanly(
         PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "prom"),  # not shared with other pools
     )
     dash_port = free_port()
-    argv = [sys.executable, "-m", "mlxcel_pool", "up", "--port", str(port), "--workers", "1",
-            "--router-processes", "1", "--log-dir", str(tmp_path / "logs"),
-            "--dashboard", str(dash_port)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "mlxcel_pool",
+        "up",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+        "--router-processes",
+        "1",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--dashboard",
+        str(dash_port),
+    ]
     with open(tmp_path / "up.stderr", "w") as err:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err,
-                                text=True)  # fmt: skip
+        proc = subprocess.Popen(
+            argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True
+        )
     spawned.append(proc)
     stdout = _lines(proc.stdout)  # type: ignore[arg-type]
     try:
@@ -217,9 +235,11 @@ def test_up_serves_a_completion_and_stops_cleanly(
     # in words rather than as the call with every prompt token in it.
     dash = f"http://127.0.0.1:{dash_port}/0/data/jobs/mlxcel.worker.w1/finished/8/asc/1.json"
     jobs = _wait_json(dash, 30)["jobs"]
-    assert any(j["description"].startswith("mlxcel-tiny-s0: ") and
-               j["description"].endswith("prompt tokens, max_tokens 8, placed on w1")
-               for j in jobs), jobs  # fmt: skip
+    assert any(
+        j["description"].startswith("mlxcel-tiny-s0: ")
+        and j["description"].endswith("prompt tokens, max_tokens 8, placed on w1")
+        for j in jobs
+    ), jobs
 
     # `up` supervises: a killed worker is started again and serves.
     (worker,) = [c for c in psutil.Process(proc.pid).children() if "worker" in c.cmdline()]

@@ -35,8 +35,13 @@ def pool(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 def test_a_client_that_hangs_up_is_let_go(pool: Any, stream: bool) -> None:
     r = redis.Redis.from_url(pool.redis_url)
     model = httpx.get(f"{pool.url}/health", timeout=10).json()["model"]
-    body = {"model": model, "prompt": "The quick brown fox", "max_tokens": MAX_TOKENS,
-            "temperature": 0, "stream": stream}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": "The quick brown fox",
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "stream": stream,
+    }
     registries = [
         cls(queue, connection=r, **KW)
         for cls in (StartedJobRegistry, CanceledJobRegistry, FinishedJobRegistry)
@@ -70,6 +75,9 @@ def test_a_client_that_hangs_up_is_let_go(pool: Any, stream: bool) -> None:
     # Let go within a step or two of the router noticing, not after MAX_TOKENS tokens.
     assert time.monotonic() - hung_up < 3
     assert job.id not in registries[0].get_job_ids()
-    tokens = wait_for(lambda: int(r.hget(keys.worker_cache_counters("w1"), "completion_tokens")
-                                  or 0), 10, "counters")  # fmt: skip
+    tokens = wait_for(
+        lambda: int(r.hget(keys.worker_cache_counters("w1"), "completion_tokens") or 0),
+        10,
+        "counters",
+    )
     assert tokens < MAX_TOKENS

@@ -24,8 +24,13 @@ def test_defaults_load() -> None:
 
 
 def test_env_overrides_defaults() -> None:
-    env = {"MLXCEL_PORT": "9001", "MLXCEL_BATCH_SIZE": "4", "APC_HASH": "blake2b",
-           "MLXCEL_PROMPT_CACHE_ENABLED": "false", "REDIS_URL": "redis://h:1/0"}  # fmt: skip
+    env = {
+        "MLXCEL_PORT": "9001",
+        "MLXCEL_BATCH_SIZE": "4",
+        "APC_HASH": "blake2b",
+        "MLXCEL_PROMPT_CACHE_ENABLED": "false",
+        "REDIS_URL": "redis://h:1/0",
+    }
     s = load_settings(environ=env)
     assert (s.router.port, s.worker.batch_size) == (9001, 4)
     assert s.prompt_cache.apc_hash == "blake2b"
@@ -47,10 +52,15 @@ def test_unset_cli_flag_keeps_env() -> None:
 
 @pytest.mark.parametrize(
     ("var", "value"),
-    [("MLXCEL_PORT", "eighty"), ("MLXCEL_BATCH_SIZE", "0"), ("APC_HASH", "md5"),
-     ("REDIS_URL", "http://nope"), ("MLXCEL_WORKER_ID", "bad id"),
-     ("MLXCEL_SERVER_DECODE_STORAGE", "sparse")],
-)  # fmt: skip
+    [
+        ("MLXCEL_PORT", "eighty"),
+        ("MLXCEL_BATCH_SIZE", "0"),
+        ("APC_HASH", "md5"),
+        ("REDIS_URL", "http://nope"),
+        ("MLXCEL_WORKER_ID", "bad id"),
+        ("MLXCEL_SERVER_DECODE_STORAGE", "sparse"),
+    ],
+)
 def test_bad_env_value_names_the_variable(var: str, value: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_settings(environ={var: value})
@@ -66,9 +76,17 @@ def test_bad_cli_value_names_the_option() -> None:
 
 @pytest.mark.parametrize(
     ("value", "on"),
-    [("1", True), ("true", False), ("yes", False), (" 1", False), ("1 ", False), ("0", False),
-     ("", False), (None, False)],
-)  # fmt: skip
+    [
+        ("1", True),
+        ("true", False),
+        ("yes", False),
+        (" 1", False),
+        ("1 ", False),
+        ("0", False),
+        ("", False),
+        (None, False),
+    ],
+)
 def test_apc_trace_exact_rule(value: str | None, on: bool) -> None:
     env = {} if value is None else {"MLXCEL_APC_TRACE": value}
     assert trace_enabled(env) is on
@@ -78,9 +96,13 @@ def test_apc_trace_exact_rule(value: str | None, on: bool) -> None:
 def _cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
     return subprocess.run(
-        [sys.executable, "-m", "mlxcel_pool", *args], cwd=REPO, env={**base, **env},
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [sys.executable, "-m", "mlxcel_pool", *args],
+        cwd=REPO,
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_worker_with_bad_env_exits_2_before_loading() -> None:

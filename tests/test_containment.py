@@ -136,8 +136,10 @@ def test_several_scored_requests_share_one_chunk_a_step(tiny: Model) -> None:
     total = sum(len(p) - 1 for p in prompts)
     assert steps <= -(-total // CHUNK) + 1  # the budget is spent, not one request a step
     for j, prompt in enumerate(prompts):
-        assert_same_entries(run.events[f"s{j}"][0].prompt_logprobs, score_prompt(
-            tiny.model, prompt, 5, len(prompt))[1])  # fmt: skip
+        assert_same_entries(
+            run.events[f"s{j}"][0].prompt_logprobs,
+            score_prompt(tiny.model, prompt, 5, len(prompt))[1],
+        )
         assert run.last(f"s{j}").finish_reason == "length" and len(run.tokens(f"s{j}")) == 1
 
 
@@ -168,7 +170,10 @@ def test_group_mates_arriving_while_the_first_scores_wait_for_it(tiny: Model) ->
     for i in range(3):
         run.add(engine.admit(spec(f"g{i}", prompt, 4, group="g0", prompt_logprobs=1, echo=True)))
     assert [engine.find(f"g{i}").status for i in range(3)] == [
-        RequestStatus.SCORING, RequestStatus.WAITING, RequestStatus.WAITING]  # fmt: skip
+        RequestStatus.SCORING,
+        RequestStatus.WAITING,
+        RequestStatus.WAITING,
+    ]
     step_watching(engine, run, lambda: started(run, "g2"))
     run_until_done(engine, 80, run)
     starts = [run.events[f"g{i}"][0] for i in range(3)]
@@ -216,7 +221,7 @@ def choices(prompt_no: int, n: int, grammar: str) -> list[Any]:
             group=group,
             temperature=0.8,
             seed=100 * prompt_no + i,
-        )  # fmt: skip
+        )
         for i in range(n)
     ]
 
@@ -224,10 +229,15 @@ def choices(prompt_no: int, n: int, grammar: str) -> list[Any]:
 def test_n_choices_of_one_big_schema_compile_once_while_the_batch_decodes(tiny: Model) -> None:
     executor = ManualExecutor()
     engine = Engine(
-        tiny.model, tiny.tokenizer, settings().worker.model_copy(update={"batch_size": 17}),
-        model_id=tiny.model_id, worker_id="w-containment", context_length=tiny.context_length,
-        prompt_cache=None, grammar_executor=executor,
-    )  # fmt: skip
+        tiny.model,
+        tiny.tokenizer,
+        settings().worker.model_copy(update={"batch_size": 17}),
+        model_id=tiny.model_id,
+        worker_id="w-containment",
+        context_length=tiny.context_length,
+        prompt_cache=None,
+        grammar_executor=executor,
+    )
     run = Run()
     start_running(engine, tiny, run)
     grammar = big_grammar()

@@ -83,8 +83,9 @@ def test_forged_jobs_fail_naming_what_is_wrong_with_a_short_ttl(
             assert 0 < r.ttl(key) <= keys.MALFORMED_JOB_TTL_S, (what, key, r.ttl(key))
         assert failed.get_expiration_time(Job(id=rid, connection=r, **KW)) is not None
     score = dict(r.zrange(failed.key, 0, -1, withscores=True))
-    assert all(score[rid.encode()] <= time.time() + keys.MALFORMED_JOB_TTL_S + 5
-               for rid in forged.values())  # fmt: skip
+    assert all(
+        score[rid.encode()] <= time.time() + keys.MALFORMED_JOB_TTL_S + 5 for rid in forged.values()
+    )
     # Each is logged, the hash without data too (rq alone would skip it without a word).
     log = w.log_path.read_text()
     for rid in forged.values():

@@ -103,8 +103,13 @@ def _stall(stall_dir: Path, wid: str, seconds: float) -> None:
 
 
 def _stream(pool: Any, prompt: str, max_tokens: int, out: dict[str, Any]) -> None:
-    body = {"model": TINY_MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True}  # fmt: skip
+    body = {
+        "model": TINY_MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
     resp = httpx.post(f"{pool.url}/v1/completions", json=body, timeout=180)
     out["status"] = resp.status_code
     chunks = sse_events(resp) if resp.status_code == 200 else []
@@ -136,8 +141,11 @@ def _holders(r: redis.Redis) -> dict[str, str]:
 
 
 def _failed(r: redis.Redis) -> set[str]:
-    return {j for q in pool_queues(WORKERS) for j in FailedJobRegistry(q, connection=r, **KW)
-            .get_job_ids()}  # fmt: skip
+    return {
+        j
+        for q in pool_queues(WORKERS)
+        for j in FailedJobRegistry(q, connection=r, **KW).get_job_ids()
+    }
 
 
 def _health(pool: Any) -> dict[str, Any]:
@@ -186,8 +194,11 @@ def test_a_loop_stuck_past_its_threshold_loses_its_jobs_then_rejoins(
     # A non-streamed request: nothing reached its client, so another worker answers it.
     body = {"model": TINY_MODEL, "prompt": prompt, "max_tokens": 400, "temperature": 0}
     box: dict[str, httpx.Response] = {}
-    thread = threading.Thread(target=lambda: box.update(
-        resp=httpx.post(f"{pool.url}/v1/completions", json=body, timeout=180)))  # fmt: skip
+    thread = threading.Thread(
+        target=lambda: box.update(
+            resp=httpx.post(f"{pool.url}/v1/completions", json=body, timeout=180)
+        )
+    )
     thread.start()
     holders = wait_for(lambda: _holders(r), 60, "the request started")
     ((job_id, stuck),) = holders.items()
@@ -229,15 +240,30 @@ def _end_every_way(pool: Any, r: redis.Redis) -> None:
                 break
     # an error from the worker (a payload it refuses), and a deadline (its job's timeout)
     bad = uuid.uuid4().hex
-    enqueue_raw(r, bad, {"request": {"request_id": bad, "model": "m", "prompt_tokens": [1],
-                                     "max_tokens": 4, "temperature": "hot"}})  # fmt: skip
+    enqueue_raw(
+        r,
+        bad,
+        {
+            "request": {
+                "request_id": bad,
+                "model": "m",
+                "prompt_tokens": [1],
+                "max_tokens": 4,
+                "temperature": "hot",
+            }
+        },
+    )
     assert read_events(r, bad)[-1].kind == "error"
     late = uuid.uuid4().hex
     req = GenerationRequest(request_id=late, model="m", prompt_tokens=[5, 6, 7], max_tokens=2000)
     Queue(SHARED_QUEUE, connection=r, **KW).enqueue_call(
-        func=JOB_FUNC, kwargs={"request": req.to_wire()}, job_id=late, timeout=1, result_ttl=600,
+        func=JOB_FUNC,
+        kwargs={"request": req.to_wire()},
+        job_id=late,
+        timeout=1,
+        result_ttl=600,
         ttl=600,
-    )  # fmt: skip
+    )
     (error,) = [e for e in read_events(r, late) if e.kind == "error"]
     assert "timed out" in error.error
 

@@ -140,8 +140,14 @@ def tiny(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def _greedy(model: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    gen = BatchGenerator(model, max_tokens=max_tokens, stop_tokens=[], completion_batch_size=8,
-                         prefill_batch_size=8, prefill_step_size=64)  # fmt: skip
+    gen = BatchGenerator(
+        model,
+        max_tokens=max_tokens,
+        stop_tokens=[],
+        completion_batch_size=8,
+        prefill_batch_size=8,
+        prefill_step_size=64,
+    )
     uids = gen.insert(prompts, max_tokens=[max_tokens] * len(prompts))
     out: dict[int, list[int]] = {u: [] for u in uids}
     while any(len(v) < max_tokens for v in out.values()):
@@ -154,8 +160,10 @@ def _greedy(model: Any, prompts: list[list[int]], max_tokens: int) -> list[list[
 @pytest.mark.usefixtures("softmax_side")
 def test_install_swaps_in_for_a_float32_cpu_model_and_greedy_tokens_stay(tiny: Any) -> None:
     vocab = tiny.args.vocab_size
-    prompts = [[(i * 37 + j * 11) % (vocab - 2) + 1 for j in range(n)]
-               for i, n in enumerate((3, 29, 150, 70, 9))]  # fmt: skip
+    prompts = [
+        [(i * 37 + j * 11) % (vocab - 2) + 1 for j in range(n)]
+        for i, n in enumerate((3, 29, 150, 70, 9))
+    ]
     before = _greedy(tiny, prompts, 12)
     assert cpu_ops.install(tiny) == ["scaled_dot_product_attention", "swiglu"]
     assert llama.scaled_dot_product_attention is cpu_ops.scaled_dot_product_attention

@@ -51,8 +51,11 @@ def dashboard(redis_url: str, tmp_path: Path) -> Iterator[tuple[str, subprocess.
     with open(tmp_path / "dashboard.log", "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "mlxcel_pool", "dashboard", "--port", str(port)],
-            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while True:
@@ -76,10 +79,13 @@ def _pickle_job(r: redis.Redis, job_id: str, marker: Path) -> None:
     Queue(SHARED_QUEUE, connection=r).enqueue_call(
         func=JOB_FUNC, args=(MakesDir(marker / "data"),), job_id=job_id
     )
-    r.hset(Job.key_for(job_id), mapping={
-        "result": pickle.dumps(MakesDir(marker / "result")),
-        "meta": pickle.dumps(MakesDir(marker / "meta")),
-    })  # fmt: skip
+    r.hset(
+        Job.key_for(job_id),
+        mapping={
+            "result": pickle.dumps(MakesDir(marker / "result")),
+            "meta": pickle.dumps(MakesDir(marker / "meta")),
+        },
+    )
 
 
 def _busy_worker(r: redis.Redis, job_id: str) -> None:
@@ -92,9 +98,10 @@ def _busy_worker(r: redis.Redis, job_id: str) -> None:
 def test_dashboard_listens_on_loopback_only(dashboard: tuple[str, subprocess.Popen[bytes]]) -> None:
     _, proc = dashboard
     listening = [
-        c.laddr for c in psutil.Process(proc.pid).net_connections("inet")
+        c.laddr
+        for c in psutil.Process(proc.pid).net_connections("inet")
         if c.status == psutil.CONN_LISTEN
-    ]  # fmt: skip
+    ]
     assert listening and all(addr.ip == "127.0.0.1" for addr in listening), listening
 
 

@@ -99,16 +99,24 @@ def test_mlxcel_keys_parse_back(name: str) -> None:
         "req": {"stream": keys.request_stream, "cancel": keys.request_cancel},
         "control": {"reply": keys.control_reply},
         "router": {"wake": keys.router_wake},
-        "worker": {"info": keys.worker_info, "cache:counters": keys.worker_cache_counters,
-                   "control": keys.worker_control, "reaped": keys.worker_reaped,
-                   "routed": keys.worker_routed, "load": keys.worker_load,
-                   "prefill": keys.worker_prefill},
-    }  # fmt: skip
+        "worker": {
+            "info": keys.worker_info,
+            "cache:counters": keys.worker_cache_counters,
+            "control": keys.worker_control,
+            "reaped": keys.worker_reaped,
+            "routed": keys.worker_routed,
+            "load": keys.worker_load,
+            "prefill": keys.worker_prefill,
+        },
+    }
     if parsed.kind == "workers":
         assert key == keys.workers_roster()
     elif parsed.kind == "routing":
-        built = {"stats": keys.routing_stats, "canary": keys.routing_canary,
-                 "rr": keys.routing_cursor}  # fmt: skip
+        built = {
+            "stats": keys.routing_stats,
+            "canary": keys.routing_canary,
+            "rr": keys.routing_cursor,
+        }
         assert built[parsed.part]() == key
     elif parsed.part == "blocks":
         assert keys.worker_blocks(parsed.ident, args[1]) == key
@@ -121,9 +129,18 @@ def test_mlxcel_keys_parse_back(name: str) -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    ["rq:queue:mlxcel", "mlxcelx:req:a:stream", "mlxcel:req:a:bogus", "mlxcel:req::stream",
-     "mlxcel:worker:w1", "mlxcel", "", "MLXCEL:workers", "mlxcel:workers:extra"],
-)  # fmt: skip
+    [
+        "rq:queue:mlxcel",
+        "mlxcelx:req:a:stream",
+        "mlxcel:req:a:bogus",
+        "mlxcel:req::stream",
+        "mlxcel:worker:w1",
+        "mlxcel",
+        "",
+        "MLXCEL:workers",
+        "mlxcel:workers:extra",
+    ],
+)
 def test_parse_rejects_foreign_keys(bad: str) -> None:
     with pytest.raises(ValueError):
         keys.parse_key(bad)

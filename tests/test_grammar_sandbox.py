@@ -85,17 +85,24 @@ STREAM_TOKENS = 96
 @pytest.fixture(scope="module")
 def pool(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     with running_pool(
-        tiny_model_dir, tmp_path_factory.mktemp("containment"),
+        tiny_model_dir,
+        tmp_path_factory.mktemp("containment"),
         env={"MLXCEL_TRUST_REQUEST_CHAT_TEMPLATE": "true"},
         overrides={"worker": {"batch_size": 4}, "router": {"processes": 1}},
-    ) as p:  # fmt: skip
+    ) as p:
         yield p
 
 
 def _stream(pool: Any, seed: int) -> tuple[str, int, str | None]:
     """(text, completion tokens, finish reason) of a streamed completion."""
-    body = {"prompt": PROMPT, "max_tokens": STREAM_TOKENS, "stream": True, "temperature": 1.0,
-            "seed": seed, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": STREAM_TOKENS,
+        "stream": True,
+        "temperature": 1.0,
+        "seed": seed,
+        "stream_options": {"include_usage": True},
+    }
     resp = post(pool, "/v1/completions", body)
     assert resp.status_code == 200, resp.text
     assert resp.text.rstrip().endswith("data: [DONE]")
@@ -108,17 +115,40 @@ def _stream(pool: Any, seed: int) -> tuple[str, int, str | None]:
 def test_the_ref_chain_is_a_400_and_the_routers_other_streams_finish(pool: Any) -> None:
     alone = {seed: _stream(pool, seed) for seed in (1, 2, 3)}
     schema_fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": ref_chain(3000)}}
-    tool = {"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"v": ref_chain(3000)}}}}  # fmt: skip
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {"type": "object", "properties": {"v": ref_chain(3000)}},
+        },
+    }
     bad = [
-        ("/v1/completions", {"prompt": "x", "max_tokens": 4, "response_format": schema_fmt},
-         "response_format"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
-                                  "response_format": schema_fmt}, "response_format"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
-                                  "chat_template": TOOLS_TEMPLATE, "tools": [tool],
-                                  "tool_choice": "required"}, "tools"),
-    ]  # fmt: skip
+        (
+            "/v1/completions",
+            {"prompt": "x", "max_tokens": 4, "response_format": schema_fmt},
+            "response_format",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 4,
+                "response_format": schema_fmt,
+            },
+            "response_format",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 4,
+                "chat_template": TOOLS_TEMPLATE,
+                "tools": [tool],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
+    ]
     pid = pool.pid("router")  # one router process: uvicorn runs the app in it
     with ThreadPoolExecutor(6) as ex:
         streams = {seed: ex.submit(_stream, pool, seed) for seed in alone}
@@ -134,8 +164,13 @@ def test_the_ref_chain_is_a_400_and_the_routers_other_streams_finish(pool: Any) 
             assert (text, n, finish) == alone[seed]
     assert pool.pid("router") == pid and _alive(pid)  # the same router process served it all
     # A schema that is fine still compiles and is enforced.
-    out = ok(post(pool, "/v1/completions", {"prompt": PROMPT, "max_tokens": 160,
-                                           "response_format": JSON_SCHEMA}))  # fmt: skip
+    out = ok(
+        post(
+            pool,
+            "/v1/completions",
+            {"prompt": PROMPT, "max_tokens": 160, "response_format": JSON_SCHEMA},
+        )
+    )
     assert_matches_schema(out["choices"][0]["text"])
 
 
@@ -146,8 +181,11 @@ def _alive(pid: int) -> bool:
 
 def test_an_unknown_model_of_megabytes_is_quoted_short(pool: Any) -> None:
     name = "m" * 1_000_000
-    resp = httpx.post(f"{pool.url}/v1/completions", timeout=60,
-                      json={"model": name, "prompt": "x", "max_tokens": 1})  # fmt: skip
+    resp = httpx.post(
+        f"{pool.url}/v1/completions",
+        timeout=60,
+        json={"model": name, "prompt": "x", "max_tokens": 1},
+    )
     assert resp.status_code == 404
     assert len(resp.content) < 2000
     err = resp.json()["error"]

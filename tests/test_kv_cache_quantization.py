@@ -56,12 +56,21 @@ def test_worker_config_refuses_kv_bits_directly() -> None:
 
 
 def test_worker_with_kv_bits_exits_2(redis_url: str, tmp_path: Path) -> None:
-    env = {**os.environ, "REDIS_URL": redis_url, "MLXCEL_MODEL": str(tmp_path),
-           "MLXCEL_WORKER_ID": "kvq", "MLXCEL_KV_BITS": "4"}  # fmt: skip
+    env = {
+        **os.environ,
+        "REDIS_URL": redis_url,
+        "MLXCEL_MODEL": str(tmp_path),
+        "MLXCEL_WORKER_ID": "kvq",
+        "MLXCEL_KV_BITS": "4",
+    }
     done = subprocess.run(
-        [sys.executable, "-m", "mlxcel_pool", "worker"], env=env, cwd=REPO,
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [sys.executable, "-m", "mlxcel_pool", "worker"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2, done.stderr
     (line,) = [ln for ln in done.stderr.splitlines() if "worker.kv_bits" in ln]
     assert WHY in line and "MLXCEL_KV_BITS='4'" in line

@@ -54,8 +54,12 @@ def test_queried_names_parses_promql() -> None:
         'sum by (le) (rate(mlxcel_a_bucket{job="mlxcel_pool"}[5m])) / foo_mlxcel_b '
         '+ on(worker) mlxcel_c:ratio + {__name__="mlxcel_d_total"} - max(mlxcel_e)'
     )
-    assert queried_names(expr) == {"mlxcel_a_bucket", "mlxcel_c:ratio", "mlxcel_d_total",
-                                   "mlxcel_e"}  # fmt: skip
+    assert queried_names(expr) == {
+        "mlxcel_a_bucket",
+        "mlxcel_c:ratio",
+        "mlxcel_d_total",
+        "mlxcel_e",
+    }
 
 
 def _placement_words(pattern: str) -> set[str]:
@@ -71,8 +75,9 @@ def test_every_dashboard_series_exists_at_zero_before_any_request(
 
     with running_pool(tiny_model_dir, tmp_path) as pool:
         text = httpx.get(f"{pool.url}/metrics", timeout=10).text  # before any generation request
-        roster = {m.decode() for m in redis.Redis.from_url(pool.redis_url).smembers(
-            keys.workers_roster())}  # fmt: skip
+        roster = {
+            m.decode() for m in redis.Redis.from_url(pool.redis_url).smembers(keys.workers_roster())
+        }
     assert roster == {"w1"}
 
     families = {f.name: f for f in text_string_to_metric_families(text)}

@@ -41,9 +41,17 @@ def _add_token(d: Path) -> None:
     tok = json.loads((d / "tokenizer.json").read_text())
     n = max(t["id"] for t in tok["added_tokens"])
     n = max(n, *tok["model"]["vocab"].values()) + 1
-    tok["added_tokens"].append({"id": n, "content": "<|extra|>", "single_word": False,
-                                "lstrip": False, "rstrip": False, "normalized": False,
-                                "special": True})  # fmt: skip
+    tok["added_tokens"].append(
+        {
+            "id": n,
+            "content": "<|extra|>",
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+    )
     (d / "tokenizer.json").write_text(json.dumps(tok))
 
 
@@ -93,12 +101,20 @@ def bad_model_dir(tiny_model_dir: Path, tmp_path: Path) -> Callable[[str], Path]
 
 
 def _run_worker(redis_url: str, model_dir: Path, worker_id: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "REDIS_URL": redis_url, "MLXCEL_MODEL": str(model_dir),
-           "MLXCEL_WORKER_ID": worker_id}  # fmt: skip
+    env = {
+        **os.environ,
+        "REDIS_URL": redis_url,
+        "MLXCEL_MODEL": str(model_dir),
+        "MLXCEL_WORKER_ID": worker_id,
+    }
     return subprocess.run(
-        [sys.executable, "-m", "mlxcel_pool", "worker"], env=env, cwd=REPO,
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [sys.executable, "-m", "mlxcel_pool", "worker"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -33,15 +33,24 @@ N = 8  # tokens per request
 
 @pytest.fixture(scope="module")
 def pool(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    env = {"MLXCEL_API_KEYS": KEY, "MLXCEL_MAX_INFLIGHT": str(BOUND),
-           "MLXCEL_RETRY_AFTER_S": "1", "MLXCEL_TRUST_REQUEST_CHAT_TEMPLATE": "true"}  # fmt: skip
+    env = {
+        "MLXCEL_API_KEYS": KEY,
+        "MLXCEL_MAX_INFLIGHT": str(BOUND),
+        "MLXCEL_RETRY_AFTER_S": "1",
+        "MLXCEL_TRUST_REQUEST_CHAT_TEMPLATE": "true",
+    }
     with running_pool(tiny_model_dir, tmp_path_factory.mktemp("openai"), env=env) as p:
         yield p
 
 
 def _client(pool: Any, key: str = KEY, strict: bool = False) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{pool.url}/v1", api_key=key, max_retries=0, timeout=60,
-                         _strict_response_validation=strict)  # fmt: skip
+    return openai.OpenAI(
+        base_url=f"{pool.url}/v1",
+        api_key=key,
+        max_retries=0,
+        timeout=60,
+        _strict_response_validation=strict,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +74,9 @@ def chat_of(text: str) -> list[dict[str, Any]]:
 
 
 def greedy(client: openai.OpenAI, model: str, prompt: str, max_tokens: int = N) -> str:
-    out = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
-                                    temperature=0)  # fmt: skip
+    out = client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0
+    )
     return out.choices[0].text
 
 
@@ -92,8 +102,9 @@ def test_responses_match_the_clients_own_types(pool: Any, model: str) -> None:
         strict.models.list()
         done = strict.completions.create(model=model, prompt=FOX, max_tokens=3, logprobs=2)
         assert isinstance(done, Completion) and done.choices[0].logprobs is not None
-        chat = strict.chat.completions.create(model=model, messages=chat_of(FOX), max_tokens=3,
-                                              logprobs=True, top_logprobs=2, n=2)  # fmt: skip
+        chat = strict.chat.completions.create(
+            model=model, messages=chat_of(FOX), max_tokens=3, logprobs=True, top_logprobs=2, n=2
+        )
         assert isinstance(chat, ChatCompletion) and [c.index for c in chat.choices] == [0, 1]
 
 
@@ -107,32 +118,46 @@ def test_completions_plain_and_streamed(client: openai.OpenAI, model: str) -> No
     assert choice.finish_reason == "length" and choice.text and choice.logprobs is None
     assert out.usage is not None and out.usage.completion_tokens == N
     assert out.usage.total_tokens == out.usage.prompt_tokens + N
-    chunks = list(client.completions.create(model=model, prompt=FOX, max_tokens=N, temperature=0,
-                                            stream=True,
-                                            stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        client.completions.create(
+            model=model,
+            prompt=FOX,
+            max_tokens=N,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     *body, last = chunks
     assert "".join(c.choices[0].text for c in body) == choice.text
     assert [c.choices[0].finish_reason for c in body][-1] == "length"
     assert all(c.usage is None for c in body)
     assert last.choices == [] and last.usage == out.usage
     # Without include_usage: no usage chunk.
-    plain = list(client.completions.create(model=model, prompt=FOX, max_tokens=N, temperature=0,
-                                           stream=True))  # fmt: skip
+    plain = list(
+        client.completions.create(model=model, prompt=FOX, max_tokens=N, temperature=0, stream=True)
+    )
     assert all(c.choices and c.usage is None for c in plain)
     assert "".join(c.choices[0].text for c in plain) == choice.text
 
 
 def test_chat_plain_and_streamed(client: openai.OpenAI, model: str) -> None:
-    out = client.chat.completions.create(model=model, messages=chat_of(FOX), max_tokens=N,
-                                         temperature=0)  # fmt: skip
+    out = client.chat.completions.create(
+        model=model, messages=chat_of(FOX), max_tokens=N, temperature=0
+    )
     assert out.object == "chat.completion" and out.id.startswith("chatcmpl-")
     choice = out.choices[0]
     assert choice.message.role == "assistant" and choice.message.content
     assert choice.message.tool_calls is None and choice.finish_reason == "length"
     assert out.usage is not None and out.usage.completion_tokens == N
-    stream = client.chat.completions.create(model=model, messages=chat_of(FOX), max_tokens=N,
-                                            temperature=0, stream=True,
-                                            stream_options={"include_usage": True})  # fmt: skip
+    stream = client.chat.completions.create(
+        model=model,
+        messages=chat_of(FOX),
+        max_tokens=N,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     *body, last = list(stream)
     assert body[0].choices[0].delta.role == "assistant"
     assert all(c.object == "chat.completion.chunk" and c.id == body[0].id for c in body)
@@ -148,15 +173,20 @@ def test_chat_plain_and_streamed(client: openai.OpenAI, model: str) -> None:
 
 def test_a_seed_reproduces_its_sample(client: openai.OpenAI, model: str) -> None:
     def sample(seed: int) -> str:
-        out = client.chat.completions.create(model=model, messages=chat_of(FOX), max_tokens=N,
-                                             temperature=1.0, seed=seed)  # fmt: skip
+        out = client.chat.completions.create(
+            model=model, messages=chat_of(FOX), max_tokens=N, temperature=1.0, seed=seed
+        )
         return out.choices[0].message.content or ""
 
     first, again, other = sample(11), sample(11), sample(12)
     assert first == again
     assert other != first
-    done = [client.completions.create(model=model, prompt=COUNT, max_tokens=N, temperature=1.0,
-                                      seed=s).choices[0].text for s in (5, 5, 6)]  # fmt: skip
+    done = [
+        client.completions.create(model=model, prompt=COUNT, max_tokens=N, temperature=1.0, seed=s)
+        .choices[0]
+        .text
+        for s in (5, 5, 6)
+    ]
     assert done[0] == done[1] != done[2]
 
 
@@ -178,8 +208,12 @@ def test_truncation_controls_keep_only_the_top_token(client: openai.OpenAI, mode
 
 def test_penalties_change_the_greedy_continuation(client: openai.OpenAI, model: str) -> None:
     """Greedy, this model repeats itself after COUNT: each penalty turns it elsewhere."""
-    base: dict[str, Any] = {"model": model, "messages": chat_of(COUNT), "max_tokens": N,
-                            "temperature": 0}  # fmt: skip
+    base: dict[str, Any] = {
+        "model": model,
+        "messages": chat_of(COUNT),
+        "max_tokens": N,
+        "temperature": 0,
+    }
 
     def text(**extra: Any) -> str:
         return client.chat.completions.create(**base, **extra).choices[0].message.content or ""
@@ -192,12 +226,14 @@ def test_penalties_change_the_greedy_continuation(client: openai.OpenAI, model: 
 
 
 def test_logit_bias_forces_a_token(client: openai.OpenAI, model: str, hf: Any) -> None:
-    forced = client.completions.create(model=model, prompt=FOX, max_tokens=6, logprobs=0,
-                                       logit_bias={"100": 100})  # fmt: skip
+    forced = client.completions.create(
+        model=model, prompt=FOX, max_tokens=6, logprobs=0, logit_bias={"100": 100}
+    )
     lp = forced.choices[0].logprobs
     assert lp is not None and lp.tokens == [hf.decode([100])] * 6
-    chat = client.chat.completions.create(model=model, messages=chat_of(COUNT), max_tokens=4,
-                                          logit_bias={"100": 100}, logprobs=True)  # fmt: skip
+    chat = client.chat.completions.create(
+        model=model, messages=chat_of(COUNT), max_tokens=4, logit_bias={"100": 100}, logprobs=True
+    )
     assert chat.choices[0].logprobs is not None
     content = chat.choices[0].logprobs.content
     assert content is not None and [t.token for t in content] == [hf.decode([100])] * 4
@@ -207,8 +243,13 @@ def test_logit_bias_forces_a_token(client: openai.OpenAI, model: str, hf: Any) -
 
 
 def test_completion_logprobs_typed_streamed_and_not(client: openai.OpenAI, model: str) -> None:
-    args: dict[str, Any] = {"model": model, "prompt": COUNT, "max_tokens": N, "logprobs": 3,
-                            "temperature": 0}  # fmt: skip
+    args: dict[str, Any] = {
+        "model": model,
+        "prompt": COUNT,
+        "max_tokens": N,
+        "logprobs": 3,
+        "temperature": 0,
+    }
     choice = client.completions.create(**args).choices[0]
     lp = choice.logprobs
     assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs
@@ -232,8 +273,13 @@ def test_completion_logprobs_typed_streamed_and_not(client: openai.OpenAI, model
 
 
 def test_echo_returns_the_prompt_and_its_tokens_logprobs(client: openai.OpenAI, model: str) -> None:
-    args: dict[str, Any] = {"model": model, "prompt": COUNT, "max_tokens": N, "logprobs": 1,
-                            "temperature": 0}  # fmt: skip
+    args: dict[str, Any] = {
+        "model": model,
+        "prompt": COUNT,
+        "max_tokens": N,
+        "logprobs": 1,
+        "temperature": 0,
+    }
     plain = client.completions.create(**args).choices[0]
     out = client.completions.create(**args, echo=True).choices[0]
     assert out.text.startswith(COUNT) and out.text.endswith(plain.text)
@@ -245,22 +291,23 @@ def test_echo_returns_the_prompt_and_its_tokens_logprobs(client: openai.OpenAI, 
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert lp.token_logprobs[k:] == pytest.approx(plain_lp.token_logprobs, abs=1e-4)
     # max_tokens 0 scores the prompt alone.
-    scored = client.completions.create(model=model, prompt=COUNT, max_tokens=0, echo=True,
-                                       logprobs=0).choices[0]  # fmt: skip
+    scored = client.completions.create(
+        model=model, prompt=COUNT, max_tokens=0, echo=True, logprobs=0
+    ).choices[0]
     assert scored.text == COUNT and scored.finish_reason == "length"
     assert scored.logprobs is not None and scored.logprobs.token_logprobs is not None
     assert scored.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:k], abs=1e-4)
     # Streamed: the prompt's text comes first, in one chunk.
-    chunks = [c.choices[0].text for c in client.completions.create(**args, echo=True,
-                                                                    stream=True)]  # fmt: skip
+    chunks = [c.choices[0].text for c in client.completions.create(**args, echo=True, stream=True)]
     assert chunks[0] == COUNT and "".join(chunks) == out.text
 
 
 def test_text_offset_of_tokens_sent_together(client: openai.OpenAI, model: str) -> None:
     """Greedy after FOX, this model writes a lone byte (U+FFFD in the text) and then "ind": the
     worker sends both in one delta, and "ind" starts at 1 in "\ufffdind study..."."""
-    choice = client.completions.create(model=model, prompt=FOX, max_tokens=6, logprobs=0,
-                                       temperature=0).choices[0]  # fmt: skip
+    choice = client.completions.create(
+        model=model, prompt=FOX, max_tokens=6, logprobs=0, temperature=0
+    ).choices[0]
     lp = choice.logprobs
     assert lp is not None and lp.tokens is not None and lp.text_offset is not None
     assert lp.tokens[:2] == ["\ufffd", "ind"]
@@ -271,8 +318,14 @@ def test_text_offset_of_tokens_sent_together(client: openai.OpenAI, model: str) 
 
 
 def test_chat_logprobs_typed_streamed_and_not(client: openai.OpenAI, model: str) -> None:
-    args: dict[str, Any] = {"model": model, "messages": chat_of(COUNT), "max_tokens": N,
-                            "logprobs": True, "top_logprobs": 2, "temperature": 0}  # fmt: skip
+    args: dict[str, Any] = {
+        "model": model,
+        "messages": chat_of(COUNT),
+        "max_tokens": N,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "temperature": 0,
+    }
     out = client.chat.completions.create(**args)
     logprobs = out.choices[0].logprobs
     assert logprobs is not None and logprobs.content is not None
@@ -281,7 +334,8 @@ def test_chat_logprobs_typed_streamed_and_not(client: openai.OpenAI, model: str)
     for item in content:
         assert item.bytes is not None and bytes(item.bytes).decode("utf-8", "replace") == item.token
         assert [t.logprob for t in item.top_logprobs] == sorted(
-            (t.logprob for t in item.top_logprobs), reverse=True)  # fmt: skip
+            (t.logprob for t in item.top_logprobs), reverse=True
+        )
         assert len(item.top_logprobs) == 2 and item.top_logprobs[0].token == item.token
         assert item.top_logprobs[0].logprob == item.logprob <= 0
     text = b"".join(bytes(t.bytes or []) for t in content).decode("utf-8")
@@ -315,13 +369,20 @@ def test_n_choices_have_their_own_index_and_seed(client: openai.OpenAI, model: s
     single = client.completions.create(**args, seed=40)
     assert single.usage is not None and out.usage.prompt_tokens == single.usage.prompt_tokens
     # Chat, streamed: the choices' chunks interleave under their index, one usage chunk.
-    chat: dict[str, Any] = {"model": model, "messages": chat_of(FOX), "max_tokens": N,
-                            "temperature": 1.0, "seed": 7, "n": 2}  # fmt: skip
+    chat: dict[str, Any] = {
+        "model": model,
+        "messages": chat_of(FOX),
+        "max_tokens": N,
+        "temperature": 1.0,
+        "seed": 7,
+        "n": 2,
+    }
     whole = client.chat.completions.create(**chat)
     texts: dict[int, str] = defaultdict(str)
     usage = []
-    streamed = client.chat.completions.create(**chat, stream=True,
-                                              stream_options={"include_usage": True})  # fmt: skip
+    streamed = client.chat.completions.create(
+        **chat, stream=True, stream_options={"include_usage": True}
+    )
     for chunk in streamed:
         for ch in chunk.choices:
             texts[ch.index] += ch.delta.content or ""
@@ -341,11 +402,13 @@ def test_a_list_of_prompts(client: openai.OpenAI, model: str, hf: Any) -> None:
     assert [c.text for c in as_ids.choices] == want
     assert as_ids.usage is not None and as_ids.usage.prompt_tokens == len(ids[0]) + len(ids[1])
     # With n: choice index = prompt x n + i.
-    both = client.completions.create(model=model, prompt=[FOX, COUNT], max_tokens=4, n=2,
-                                     temperature=0)  # fmt: skip
+    both = client.completions.create(
+        model=model, prompt=[FOX, COUNT], max_tokens=4, n=2, temperature=0
+    )
     assert [c.index for c in both.choices] == [0, 1, 2, 3]
-    assert [c.text for c in both.choices] == [greedy(client, model, p, 4) for p in
-                                              (FOX, FOX, COUNT, COUNT)]  # fmt: skip
+    assert [c.text for c in both.choices] == [
+        greedy(client, model, p, 4) for p in (FOX, FOX, COUNT, COUNT)
+    ]
 
 
 # --- stop and token budget ------------------------------------------------------------------------
@@ -355,32 +418,38 @@ def test_stop_sequences_end_the_text_before_them(client: openai.OpenAI, model: s
     full = greedy(client, model, FOX, 12)
     stop = full[len(full) // 2 :][:3]
     cut = full[: full.find(stop)]
-    out = client.completions.create(model=model, prompt=FOX, max_tokens=12, temperature=0,
-                                    stop=[stop, "never-seen-here"])  # fmt: skip
+    out = client.completions.create(
+        model=model, prompt=FOX, max_tokens=12, temperature=0, stop=[stop, "never-seen-here"]
+    )
     assert (out.choices[0].text, out.choices[0].finish_reason) == (cut, "stop")
-    streamed = client.completions.create(model=model, prompt=FOX, max_tokens=12, temperature=0,
-                                         stop=stop, stream=True)  # fmt: skip
+    streamed = client.completions.create(
+        model=model, prompt=FOX, max_tokens=12, temperature=0, stop=stop, stream=True
+    )
     chunks = list(streamed)
     assert "".join(c.choices[0].text for c in chunks) == cut
     assert chunks[-1].choices[0].finish_reason == "stop"
-    chat = client.chat.completions.create(model=model, messages=chat_of(FOX), max_tokens=12,
-                                          temperature=0)  # fmt: skip
+    chat = client.chat.completions.create(
+        model=model, messages=chat_of(FOX), max_tokens=12, temperature=0
+    )
     said = chat.choices[0].message.content or ""
     stop = said[len(said) // 2 :][:3]
-    stopped = client.chat.completions.create(model=model, messages=chat_of(FOX), max_tokens=12,
-                                             temperature=0, stop=stop)  # fmt: skip
+    stopped = client.chat.completions.create(
+        model=model, messages=chat_of(FOX), max_tokens=12, temperature=0, stop=stop
+    )
     assert stopped.choices[0].message.content == said[: said.find(stop)]
     assert stopped.choices[0].finish_reason == "stop"
 
 
 def test_max_completion_tokens(client: openai.OpenAI, model: str) -> None:
-    out = client.chat.completions.create(model=model, messages=chat_of(FOX),
-                                         max_completion_tokens=3)  # fmt: skip
+    out = client.chat.completions.create(
+        model=model, messages=chat_of(FOX), max_completion_tokens=3
+    )
     assert out.usage is not None and out.usage.completion_tokens == 3
     assert out.choices[0].finish_reason == "length"
     # The newer name wins over max_tokens.
-    both = client.chat.completions.create(model=model, messages=chat_of(FOX), max_tokens=9,
-                                          max_completion_tokens=2)  # fmt: skip
+    both = client.chat.completions.create(
+        model=model, messages=chat_of(FOX), max_tokens=9, max_completion_tokens=2
+    )
     assert both.usage is not None and both.usage.completion_tokens == 2
 
 
@@ -393,19 +462,32 @@ def test_a_tool_conversation(client: openai.OpenAI, model: str, hf: Any) -> None
     """Every role the SDK sends back in a tool loop, with `tools`: on the model's own template
     (no tools in it) and on a request template that renders them and declares a call format;
     the prompt is what the template makes of the messages, token for token."""
-    own = client.chat.completions.create(model=model, messages=TURNS, tools=[WEATHER],
-                                         max_tokens=4, temperature=0)  # fmt: skip
-    text = hf.apply_chat_template(as_template_sees(TURNS), tokenize=False,
-                                  add_generation_prompt=True)  # fmt: skip
+    own = client.chat.completions.create(
+        model=model, messages=TURNS, tools=[WEATHER], max_tokens=4, temperature=0
+    )
+    text = hf.apply_chat_template(
+        as_template_sees(TURNS), tokenize=False, add_generation_prompt=True
+    )
     assert own.usage is not None
     assert own.usage.prompt_tokens == len(hf.encode(text, add_special_tokens=False))
     extra = {"chat_template": TOOLS_TEMPLATE, "chat_template_kwargs": {"greeting": "Hi"}}
-    templated = client.chat.completions.create(model=model, messages=TURNS, tools=[WEATHER],
-                                               tool_choice="auto", max_tokens=4, temperature=0,
-                                               extra_body=extra)  # fmt: skip
-    text = hf.apply_chat_template(as_template_sees(TURNS), tools=[WEATHER],
-                                  chat_template=TOOLS_TEMPLATE, tokenize=False,
-                                  add_generation_prompt=True, greeting="Hi")  # fmt: skip
+    templated = client.chat.completions.create(
+        model=model,
+        messages=TURNS,
+        tools=[WEATHER],
+        tool_choice="auto",
+        max_tokens=4,
+        temperature=0,
+        extra_body=extra,
+    )
+    text = hf.apply_chat_template(
+        as_template_sees(TURNS),
+        tools=[WEATHER],
+        chat_template=TOOLS_TEMPLATE,
+        tokenize=False,
+        add_generation_prompt=True,
+        greeting="Hi",
+    )
     assert templated.usage is not None
     assert templated.usage.prompt_tokens == len(hf.encode(text, add_special_tokens=False))
     # Random weights write no tool call: the text comes back as content.
@@ -413,9 +495,15 @@ def test_a_tool_conversation(client: openai.OpenAI, model: str, hf: Any) -> None
         message = out.choices[0].message
         assert isinstance(message.content, str) and message.tool_calls is None
         assert out.choices[0].finish_reason in ("stop", "length")
-    streamed = client.chat.completions.create(model=model, messages=TURNS, tools=[WEATHER],
-                                              max_tokens=4, temperature=0, stream=True,
-                                              extra_body=extra)  # fmt: skip
+    streamed = client.chat.completions.create(
+        model=model,
+        messages=TURNS,
+        tools=[WEATHER],
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+        extra_body=extra,
+    )
     chunks = list(streamed)
     assert all(c.choices[0].delta.tool_calls is None for c in chunks)
     said = "".join(c.choices[0].delta.content or "" for c in chunks)
@@ -434,7 +522,7 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("chat", {"extra_body": {"top_k": -2}}, "top_k"),
     ("chat", {"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
     ("chat", {"logit_bias": {"1024": 5}}, "logit_bias"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("kind", "extra", "param"), REFUSED)
@@ -443,8 +531,9 @@ def test_refusals_are_bad_request_errors_naming_the_param(
 ) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         if kind == "chat":
-            client.chat.completions.create(model=model, messages=chat_of(FOX), max_tokens=2,
-                                           **extra)  # fmt: skip
+            client.chat.completions.create(
+                model=model, messages=chat_of(FOX), max_tokens=2, **extra
+            )
         else:
             client.completions.create(model=model, prompt=FOX, max_tokens=2, **extra)
     assert err.value.status_code == 400

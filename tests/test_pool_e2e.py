@@ -169,8 +169,11 @@ def test_what_openai_clients_leave_out_or_send_as_null_takes_the_defaults(pool) 
         assert resp.json()["model"] == "mlxcel-tiny-s0"
         assert resp.json()["usage"]["completion_tokens"] >= 1
     messages = [{"role": "user", "content": "hi"}]
-    chat = httpx.post(f"{pool.url}/v1/chat/completions", timeout=60,
-                      json={"messages": messages, "max_tokens": 2, "stream": None})  # fmt: skip
+    chat = httpx.post(
+        f"{pool.url}/v1/chat/completions",
+        timeout=60,
+        json={"messages": messages, "max_tokens": 2, "stream": None},
+    )
     assert chat.status_code == 200 and chat.json()["object"] == "chat.completion", chat.text
     one = httpx.get(f"{pool.url}/v1/models/mlxcel-tiny-s0", timeout=10)
     assert one.status_code == 200 and one.json()["id"] == "mlxcel-tiny-s0"
@@ -194,12 +197,18 @@ def test_n_choices_and_prompt_lists_run_as_sequences_of_their_own(pool) -> None:
     assert sampled["choices"][1]["text"] == second["choices"][0]["text"]
 
     other = _complete(pool, prompt="import numpy as np\n", max_tokens=6, temperature=0)
-    both = _complete(pool, prompt=["The quick brown fox", "import numpy as np\n"], max_tokens=6,
-                     temperature=0, n=2)  # fmt: skip
+    both = _complete(
+        pool,
+        prompt=["The quick brown fox", "import numpy as np\n"],
+        max_tokens=6,
+        temperature=0,
+        n=2,
+    )
     texts = [c["text"] for c in sorted(both["choices"], key=lambda c: c["index"])]
     assert texts == [alone["choices"][0]["text"]] * 2 + [other["choices"][0]["text"]] * 2
     assert both["usage"]["prompt_tokens"] == (
-        alone["usage"]["prompt_tokens"] + other["usage"]["prompt_tokens"])  # fmt: skip
+        alone["usage"]["prompt_tokens"] + other["usage"]["prompt_tokens"]
+    )
 
     body = {
         "model": "mlxcel-tiny-s0",
@@ -221,10 +230,18 @@ def test_n_choices_and_prompt_lists_run_as_sequences_of_their_own(pool) -> None:
             streamed[choice["index"]] += choice["text"]
     assert streamed == {0: alone["choices"][0]["text"], 1: alone["choices"][0]["text"]}
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == (
-        2 * alone["usage"]["completion_tokens"])  # fmt: skip
-    chat = httpx.post(f"{pool.url}/v1/chat/completions", timeout=60, json={
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0,
-        "n": 2})  # fmt: skip
+        2 * alone["usage"]["completion_tokens"]
+    )
+    chat = httpx.post(
+        f"{pool.url}/v1/chat/completions",
+        timeout=60,
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "temperature": 0,
+            "n": 2,
+        },
+    )
     assert chat.status_code == 200, chat.text
     messages = chat.json()["choices"]
     assert [m["index"] for m in messages] == [0, 1]

@@ -59,9 +59,16 @@ def _engine(swa: Model, **cache: object) -> tuple[Engine, PromptCache]:
     )
     pc, reported = _prompt_cache(settings, swa.model, swa.model_id, "w-ck")
     assert pc is not None and reported["storage_mode"] == "snapshot"
-    engine = Engine(swa.model, swa.tokenizer, settings.worker, model_id=swa.model_id,
-                    worker_id="w-ck", context_length=swa.context_length, prompt_cache=pc,
-                    clock=FakeClock().now)  # fmt: skip
+    engine = Engine(
+        swa.model,
+        swa.tokenizer,
+        settings.worker,
+        model_id=swa.model_id,
+        worker_id="w-ck",
+        context_length=swa.context_length,
+        prompt_cache=pc,
+        clock=FakeClock().now,
+    )
     return engine, pc
 
 

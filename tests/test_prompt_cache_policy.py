@@ -22,9 +22,16 @@ NS = CacheNamespace("tiny", "", "tpl")
 def _build(**extra: object) -> llama.Model:
     mx.random.seed(0)
     args = llama.ModelArgs(
-        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256, **extra,
-    )  # fmt: skip
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=256,
+        **extra,
+    )
     m = llama.Model(args)
     m.set_dtype(mx.float32)
     mx.eval(m.parameters())
@@ -52,9 +59,12 @@ def prefill(model: llama.Model, tokens: list[int]) -> tuple[list, mx.array]:
 def make_cache(mode: str = "dense", worker: str = "w1", **cfg: object) -> PromptCache:
     cfg.setdefault("min_prefix_tokens", 32)
     return PromptCache(
-        PromptCacheConfig(**cfg), model_id="tiny", storage_mode=mode, worker_id=worker,
+        PromptCacheConfig(**cfg),
+        model_id="tiny",
+        storage_mode=mode,
+        worker_id=worker,
         clock=lambda: 1700000000.0,
-    )  # fmt: skip
+    )
 
 
 def toks(n: int, start: int = 0) -> list[int]:
@@ -172,8 +182,11 @@ def test_donate_side_rejects(model: llama.Model, caplog: pytest.LogCaptureFixtur
     pc.donate_finished_sequence_cache(NS, "", "s5", seq, None)
     assert rejects(pc) == {"prefix_too_short": 1, "empty_set": 2}
     assert pc.counters.last_reject == {
-        "reason": "empty_set", "seq_id": "s5", "context_len": 40, "at_unix_ms": 1700000000000,
-    }  # fmt: skip
+        "reason": "empty_set",
+        "seq_id": "s5",
+        "context_len": 40,
+        "at_unix_ms": 1700000000000,
+    }
     pc = make_cache(capacity_bytes=1000, trace=True)
     pc.donate_finished_sequence_cache(NS, "", "s6", seq, prefill(model, seq)[0])
     c = pc.counters.take()

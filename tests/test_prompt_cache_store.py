@@ -71,9 +71,13 @@ def paged_entry(store: PromptStore, tokens: list[int], seed: int = 0) -> PagedEn
     assert pool is not None
     ids = pool.store(NS.seed(), tokens, kv(len(tokens), seed))
     return PagedEntry(
-        tuple(tokens[: len(ids) * pool.block_size]), ids, pool.block_size, pool.block_nbytes,
-        pool.clone, pool.free,
-    )  # fmt: skip
+        tuple(tokens[: len(ids) * pool.block_size]),
+        ids,
+        pool.block_size,
+        pool.block_nbytes,
+        pool.clone,
+        pool.free,
+    )
 
 
 # -- trie / apc ---------------------------------------------------------------------------------

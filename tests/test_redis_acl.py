@@ -123,9 +123,11 @@ def _dashboard(redis_url: str, log: Path) -> subprocess.Popen[bytes]:
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "mlxcel_pool", "dashboard", "--port", str(port)],
-            cwd=REPO, env={**os.environ, "REDIS_URL": redis_url}, stdout=out,
+            cwd=REPO,
+            env={**os.environ, "REDIS_URL": redis_url},
+            stdout=out,
             stderr=subprocess.STDOUT,
-        )  # fmt: skip
+        )
     proc.base = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
     deadline = time.monotonic() + 30
     while True:
@@ -161,8 +163,9 @@ def test_a_whole_pool_serves_on_the_pools_user_with_no_command_refused(
         body = {"model": model, "prompt": "Once upon a time", "max_tokens": 6}
         resp = httpx.post(f"{pool.url}/v1/completions", json=body, timeout=60)
         assert resp.status_code == 200, resp.text
-        streamed = httpx.post(f"{pool.url}/v1/completions", json={**body, "stream": True},
-                              timeout=60)  # fmt: skip
+        streamed = httpx.post(
+            f"{pool.url}/v1/completions", json={**body, "stream": True}, timeout=60
+        )
         assert streamed.status_code == 200 and "[DONE]" in streamed.text, streamed.text
         # rq found the worker's address with CLIENT LIST (it writes "unknown" when refused).
         rq_worker = f"rq:worker:{keys.rq_worker_name('w1')}"

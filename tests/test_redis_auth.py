@@ -28,7 +28,7 @@ from shared.redis_server import RedisServerError, start_redis
         (
             "rediss://host:1/0?password=s3cret&ssl_cert_reqs=none",
             "rediss://host:1/0?password=***&ssl_cert_reqs=none",
-        ),  # fmt: skip
+        ),
         ("unix://:s3cret@/run/redis.sock?db=1", "unix://:***@/run/redis.sock?db=1"),
         ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
         ("rediss://h:1/0?ssl_ca_certs=/etc/ca.pem", "rediss://h:1/0?ssl_ca_certs=/etc/ca.pem"),

@@ -104,8 +104,11 @@ def test_router_answers_503_while_redis_is_down_and_serves_after_it_returns(
             r = redis.Redis.from_url(server.url)
             long = {**body, "prompt": "The quick brown fox", "max_tokens": 1900}
             box: dict[str, httpx.Response] = {}
-            thread = threading.Thread(target=lambda: box.update(
-                resp=httpx.post(f"{pool.url}/v1/completions", json=long, timeout=60)))  # fmt: skip
+            thread = threading.Thread(
+                target=lambda: box.update(
+                    resp=httpx.post(f"{pool.url}/v1/completions", json=long, timeout=60)
+                )
+            )
             thread.start()
             _wait(lambda: any(r.scan_iter("mlxcel:req:*:stream")), 20, "the long request runs")
 

@@ -42,8 +42,10 @@ SECRET = "s3cr3t-Pa55"
 
 
 def test_a_sentinel_url_names_sentinels_service_db_and_both_passwords() -> None:
-    url = (f"redis+sentinel://:{SECRET}@10.0.0.1:26380,sentinel-b,[::1]:26381/{SERVICE}/3"
-           "?sentinel_password=sp%40ss&sentinel_username=watcher")  # fmt: skip
+    url = (
+        f"redis+sentinel://:{SECRET}@10.0.0.1:26380,sentinel-b,[::1]:26381/{SERVICE}/3"
+        "?sentinel_password=sp%40ss&sentinel_username=watcher"
+    )
     target = parse_sentinel_url(url)
     assert target == SentinelTarget(
         sentinels=(("10.0.0.1", 26380), ("sentinel-b", DEFAULT_PORT), ("::1", 26381)),
@@ -146,8 +148,9 @@ class SentinelSet:
     watcher: redis.Redis = field(init=False)
 
     def __post_init__(self) -> None:
-        self.watcher = redis.Redis(port=self.sentinel.port, password=self.sentinel.password,
-                                   socket_timeout=5)  # fmt: skip
+        self.watcher = redis.Redis(
+            port=self.sentinel.port, password=self.sentinel.password, socket_timeout=5
+        )
 
     def primary_port(self) -> int:
         """The primary as clients learn it (`SENTINEL MASTERS`: it changes once a failover is
@@ -195,12 +198,19 @@ def sentinel_set() -> Iterator[SentinelSet]:
     sentinel: EmbeddedRedis | None = None
     try:
         for _ in range(2):
-            replica = start_redis(password=primary.password, replicaof=(primary.host, primary.port),
-                                  admin_password=primary.admin_password)  # fmt: skip
+            replica = start_redis(
+                password=primary.password,
+                replicaof=(primary.host, primary.port),
+                admin_password=primary.admin_password,
+            )
             servers[replica.port] = replica
         sentinel = start_sentinel(primary, SERVICE, down_after_ms=1000, failover_timeout_ms=3000)
-        url = sentinel_url([(sentinel.host, sentinel.port)], SERVICE, primary.password,
-                           sentinel_password=sentinel.password)  # fmt: skip
+        url = sentinel_url(
+            [(sentinel.host, sentinel.port)],
+            SERVICE,
+            primary.password,
+            sentinel_password=sentinel.password,
+        )
         # The pool's ACL user on the servers (sentinel_url writes a password alone).
         url = url.replace("redis+sentinel://:", f"redis+sentinel://{POOL_USER}:", 1)
         s = SentinelSet(servers, sentinel, url, primary.password)
@@ -325,8 +335,7 @@ def test_wait_redis_waits_for_a_sentinel_managed_primary(sentinel_set: SentinelS
 
     def wait_redis(url: str) -> subprocess.CompletedProcess[str]:
         env = {**os.environ, "REDIS_URL": url}
-        return subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True,
-                              timeout=60)  # fmt: skip
+        return subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
 
     assert wait_redis(sentinel_set.url).returncode == 0
     wrong = sentinel_set.url.replace(sentinel_set.password, SECRET)
@@ -340,8 +349,12 @@ def test_wait_redis_waits_for_a_sentinel_managed_primary(sentinel_set: SentinelS
 PROMPTS = ("The quick brown fox", "Once upon a time", "In a hole in the ground")
 MAX_TOKENS = 160
 # What a request may end with while the primary fails over, as the router documents it.
-HTTP_ERRORS = {(503, "redis_unavailable"), (503, "worker_lost"), (503, "no_live_worker"),
-               (500, "job_failed")}  # fmt: skip
+HTTP_ERRORS = {
+    (503, "redis_unavailable"),
+    (503, "worker_lost"),
+    (503, "no_live_worker"),
+    (500, "job_failed"),
+}
 STREAM_ERRORS = {"redis_unavailable", "worker_lost", "job_failed"}
 
 
@@ -359,8 +372,13 @@ class Outcome:
 
 
 def _request(client: httpx.Client, url: str, model: str, prompt: str, stream: bool) -> Outcome:
-    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "stream": stream}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "stream": stream,
+    }
     out = Outcome(prompt, stream, time.monotonic())
     try:
         with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
@@ -425,8 +443,9 @@ class Load:
         return sum(1 for o in list(self.outcomes) if o.started > t and o.error is None)
 
     def wait_serving_since(self, t: float, timeout: float = 30.0) -> None:
-        _wait(lambda: self.succeeded_since(t) >= 2 or self.errors, timeout,
-              "the pool to serve again")  # fmt: skip
+        _wait(
+            lambda: self.succeeded_since(t) >= 2 or self.errors, timeout, "the pool to serve again"
+        )
         assert not self.errors, self.errors
 
 

@@ -88,15 +88,27 @@ def test_a_stall_past_the_bound_fails_the_command_and_never_resends_it(
 # --- a whole pool through a stall -----------------------------------------------------------------
 
 MAX_TOKENS = 48
-PROMPTS = ["The quick brown fox", "Once upon a time", "Redis is an in-memory", "Dear diary,",
-           "The capital of France is", "In the beginning"]  # fmt: skip
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time",
+    "Redis is an in-memory",
+    "Dear diary,",
+    "The capital of France is",
+    "In the beginning",
+]
 
 
 async def _complete(
     client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int = MAX_TOKENS
 ) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     resp = await client.post("/v1/completions", json=body)
     if resp.status_code != 200:
         return {"status": resp.status_code, "body": resp.text}
@@ -131,8 +143,7 @@ def test_a_pool_rides_out_a_redis_stall_with_every_answer_the_models(
                 pid = pool.pid("redis")
                 os.kill(pid, signal.SIGSTOP)
                 try:
-                    during = [asyncio.create_task(_complete(client, model, p))
-                              for p in PROMPTS[3:]]  # fmt: skip
+                    during = [asyncio.create_task(_complete(client, model, p)) for p in PROMPTS[3:]]
                     await asyncio.sleep(stall_s)
                 finally:
                     os.kill(pid, signal.SIGCONT)
@@ -173,8 +184,9 @@ def test_a_stall_past_the_bound_ends_requests_with_a_clear_error_never_wrong_tex
 
         async def scenario() -> list[dict]:
             async with httpx.AsyncClient(base_url=pool.url, timeout=120) as client:
-                running = [asyncio.create_task(_complete(client, model, p, LONG))
-                           for p in LONG_PROMPTS]  # fmt: skip
+                running = [
+                    asyncio.create_task(_complete(client, model, p, LONG)) for p in LONG_PROMPTS
+                ]
                 await asyncio.sleep(0.5)
                 pid = pool.pid("redis")
                 os.kill(pid, signal.SIGSTOP)

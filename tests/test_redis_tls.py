@@ -46,21 +46,58 @@ def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsRedis]:
         pytest.skip(f"needs {SYSTEM_REDIS} and openssl")
     d = tmp_path_factory.mktemp("tls")
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem"), "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True,
-    )  # fmt: skip
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-keyout",
+            str(d / "key.pem"),
+            "-out",
+            str(d / "cert.pem"),
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
     password = secrets.token_urlsafe(24)
     (d / "redis.conf").write_text(f"requirepass {password}\n")
     port = free_port()
     proc = subprocess.Popen(
-        [SYSTEM_REDIS, str(d / "redis.conf"), "--port", "0", "--tls-port", str(port),
-         "--bind", "127.0.0.1", "--tls-cert-file", str(d / "cert.pem"),
-         "--tls-key-file", str(d / "key.pem"), "--tls-ca-cert-file", str(d / "cert.pem"),
-         "--tls-auth-clients", "no", "--save", "", "--appendonly", "no", "--dir", str(d)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        [
+            SYSTEM_REDIS,
+            str(d / "redis.conf"),
+            "--port",
+            "0",
+            "--tls-port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--tls-cert-file",
+            str(d / "cert.pem"),
+            "--tls-key-file",
+            str(d / "key.pem"),
+            "--tls-ca-cert-file",
+            str(d / "cert.pem"),
+            "--tls-auth-clients",
+            "no",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(d),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     server = TlsRedis(port, password, d / "cert.pem")
     deadline = time.monotonic() + 15
     while True:

@@ -35,8 +35,11 @@ def toks(n: int, start: int = 10) -> list[int]:
 
 
 def complete(pool, prompt: list[int], max_tokens: int = 4) -> dict[str, Any]:
-    resp = httpx.post(f"{pool.url}/v1/completions", timeout=60, json={
-        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})  # fmt: skip
+    resp = httpx.post(
+        f"{pool.url}/v1/completions",
+        timeout=60,
+        json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+    )
     assert resp.status_code == 200, resp.text
     return resp.json()
 
@@ -58,8 +61,9 @@ def stats(pool) -> dict[str, Any]:
     return resp.json()
 
 
-def assert_rejects_everywhere(pool, worker_log: str, worker_id: str,
-                              expected: dict[str, int], last: str) -> None:  # fmt: skip
+def assert_rejects_everywhere(
+    pool, worker_log: str, worker_id: str, expected: dict[str, int], last: str
+) -> None:
     """The counts in every view an operator has, and the last reject."""
     want = {r.value: expected.get(r.value, 0) for r in REJECT_REASONS}
     r = redis.Redis.from_url(pool.redis_url, decode_responses=True)
@@ -78,13 +82,13 @@ def assert_rejects_everywhere(pool, worker_log: str, worker_id: str,
     assert merged["last_reject_worker_id"] == worker_id
     assert merged["workers"][worker_id][f"reject_{last}"] == want[last]
 
-    samples = wait_for(lambda: (s := reject_samples(pool)) and s == want and s, 10,
-                       f"Prometheus samples {want}")  # fmt: skip
+    samples = wait_for(
+        lambda: (s := reject_samples(pool)) and s == want and s, 10, f"Prometheus samples {want}"
+    )
     assert set(samples) == {x.value for x in REJECT_REASONS}  # all seven labels present
 
     for reason, n in want.items():
-        lines = [ln for ln in worker_log.splitlines()
-                 if f"apc_event=reject reason={reason} " in ln]  # fmt: skip
+        lines = [ln for ln in worker_log.splitlines() if f"apc_event=reject reason={reason} " in ln]
         assert len(lines) == n, (reason, lines)
         assert all(f"worker={worker_id}" in ln for ln in lines)
 
@@ -130,18 +134,25 @@ def test_paged_empty_set_and_block_boundary_floor(tiny_model_dir: Path, tmp_path
         out = complete(pool, base[:20] + toks(12, start=500))
         assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         wait_for(lambda: "reason=block_boundary_floor" in pool.logs("w1"), 10, "floor")
-        assert_rejects_everywhere(pool, pool.logs("w1"), "w1",
-                                  {"empty_set": 1, "block_boundary_floor": 1},
-                                  "block_boundary_floor")  # fmt: skip
+        assert_rejects_everywhere(
+            pool,
+            pool.logs("w1"),
+            "w1",
+            {"empty_set": 1, "block_boundary_floor": 1},
+            "block_boundary_floor",
+        )
 
 
 @pytest.mark.parametrize(
     ("scenario", "storage", "reason"),
-    [("dense_in_paged", "paged", "mode_mismatch"),
-     ("corrupt_dense", "dense", "layout_constraints")],
-)  # fmt: skip
-def test_injected_entry_rejects(tiny_model_dir: Path, tmp_path: Path, start_worker,
-                                scenario: str, storage: str, reason: str) -> None:  # fmt: skip
+    [
+        ("dense_in_paged", "paged", "mode_mismatch"),
+        ("corrupt_dense", "dense", "layout_constraints"),
+    ],
+)
+def test_injected_entry_rejects(
+    tiny_model_dir: Path, tmp_path: Path, start_worker, scenario: str, storage: str, reason: str
+) -> None:
     prompt = toks(64, start=200)
     with running_pool(tiny_model_dir, tmp_path, workers=0) as pool:
         w = start_worker(
@@ -160,8 +171,9 @@ def test_injected_entry_rejects(tiny_model_dir: Path, tmp_path: Path, start_work
         assert_rejects_everywhere(pool, w.log(), "w1", {reason: 1}, reason)
 
 
-def test_two_workers_sum_and_survive_kill_and_restart(tiny_model_dir: Path, tmp_path: Path,
-                                                      start_worker) -> None:  # fmt: skip
+def test_two_workers_sum_and_survive_kill_and_restart(
+    tiny_model_dir: Path, tmp_path: Path, start_worker
+) -> None:
     env = {
         **TRACE,
         "MLXCEL_SERVER_DECODE_STORAGE": "dense",

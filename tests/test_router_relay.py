@@ -102,9 +102,14 @@ def happy_events(prompt_len: int) -> list[StreamEvent]:
         StreamEvent(kind="start", worker_id="w1", cached_tokens=3, prompt_tokens=prompt_len),
         StreamEvent(kind="delta", text="Hel", token_ids=[1]),
         StreamEvent(kind="delta", text="lo", token_ids=[2]),
-        StreamEvent(kind="done", finish_reason="length", prompt_tokens=prompt_len,
-                    completion_tokens=2, cached_tokens=3),
-    ]  # fmt: skip
+        StreamEvent(
+            kind="done",
+            finish_reason="length",
+            prompt_tokens=prompt_len,
+            completion_tokens=2,
+            cached_tokens=3,
+        ),
+    ]
 
 
 def sse_lines(url: str, path: str, body: dict[str, Any]) -> list[str]:
@@ -125,8 +130,16 @@ def post(url: str, path: str, body: dict[str, Any]) -> httpx.Response:
 def test_completion_job_and_json_body(
     router_url: str, r: redis.Redis, pool: ThreadPoolExecutor, hf: Any, model_id: str
 ) -> None:
-    body = {"model": model_id, "prompt": "hello world", "max_tokens": 5, "user": "alice",
-            "temperature": 0.5, "stop": "x", "seed": 7, "unknown_field": True}  # fmt: skip
+    body = {
+        "model": model_id,
+        "prompt": "hello world",
+        "max_tokens": 5,
+        "user": "alice",
+        "temperature": 0.5,
+        "stop": "x",
+        "seed": 7,
+        "unknown_field": True,
+    }
     fut = pool.submit(post, router_url, "/v1/completions", body)
     job, req = take_job(r)
     assert req.prompt_tokens == hf.encode("hello world")
@@ -141,8 +154,12 @@ def test_completion_job_and_json_body(
     assert out["model"] == model_id
     assert out["choices"][0]["text"] == "Hello" and out["choices"][0]["finish_reason"] == "length"
     n = len(req.prompt_tokens)
-    assert out["usage"] == {"prompt_tokens": n, "completion_tokens": 2, "total_tokens": n + 2,
-                            "prompt_tokens_details": {"cached_tokens": 3}}  # fmt: skip
+    assert out["usage"] == {
+        "prompt_tokens": n,
+        "completion_tokens": 2,
+        "total_tokens": n + 2,
+        "prompt_tokens_details": {"cached_tokens": 3},
+    }
     assert not r.exists(keys.request_stream(req.request_id))
 
 
@@ -156,8 +173,14 @@ def test_chat_streaming_with_usage(
             "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}],
         },
     ]
-    body = {"model": model_id, "messages": messages, "stream": True, "prompt_cache_key": "s1",
-            "user": "bob", "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": model_id,
+        "messages": messages,
+        "stream": True,
+        "prompt_cache_key": "s1",
+        "user": "bob",
+        "stream_options": {"include_usage": True},
+    }
     fut: Future[list[str]] = pool.submit(sse_lines, router_url, "/v1/chat/completions", body)
     _, req = take_job(r)
     plain = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
@@ -184,8 +207,12 @@ def test_chat_template_override_changes_signature(
     router_url: str, r: redis.Redis, pool: ThreadPoolExecutor, model_id: str
 ) -> None:
     template = "{% for m in messages %}{{ m['content'] }}|{% endfor %}"
-    body = {"model": model_id, "messages": [{"role": "user", "content": "abc"}],
-            "chat_template": template, "max_tokens": 1}  # fmt: skip
+    body = {
+        "model": model_id,
+        "messages": [{"role": "user", "content": "abc"}],
+        "chat_template": template,
+        "max_tokens": 1,
+    }
     fut = pool.submit(post, router_url, "/v1/chat/completions", body)
     _, req = take_job(r)
     assert req.template_signature == template_signature(template)
@@ -302,8 +329,11 @@ def test_cache_reset_asks_every_live_worker(router_url: str, r: redis.Redis) -> 
         def answer(wid: str = wid, freed: int = freed) -> None:
             _, raw = r.blpop([keys.worker_control(wid)], timeout=5)
             cmd = ControlCommand.from_wire(raw)
-            reply = ControlReply(worker_id=wid, kind=cmd.kind, result={
-                "cleared": True, "freed_bytes": freed, "freed_entries": 1})  # fmt: skip
+            reply = ControlReply(
+                worker_id=wid,
+                kind=cmd.kind,
+                result={"cleared": True, "freed_bytes": freed, "freed_entries": 1},
+            )
             r.rpush(keys.control_reply(cmd.reply_id), reply.to_wire())
 
         threading.Thread(target=answer, daemon=True).start()
@@ -380,9 +410,13 @@ def test_a_request_whose_worker_died_before_any_token_runs_again_elsewhere(
     assert req2.request_id == f"{req.request_id}-1" and req2.prompt_tokens == req.prompt_tokens
     # The lost attempt is fenced: a worker that was only slow drops it.
     assert r.get(keys.request_cancel(req.request_id)) == b"1"
-    play(r, req2, StreamEvent(kind="start", worker_id="w2"),
-         StreamEvent(kind="delta", text="fine", token_ids=[1]),
-         StreamEvent(kind="done", finish_reason="length", completion_tokens=1))  # fmt: skip
+    play(
+        r,
+        req2,
+        StreamEvent(kind="start", worker_id="w2"),
+        StreamEvent(kind="delta", text="fine", token_ids=[1]),
+        StreamEvent(kind="done", finish_reason="length", completion_tokens=1),
+    )
     resp = fut.result(15)
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["text"] == "fine"
@@ -414,14 +448,22 @@ def test_a_non_streamed_request_whose_worker_died_after_tokens_runs_again(
     job, req = take_job(r)
     job.set_status(JobStatus.STARTED)
     r.lrem(Queue(SHARED_QUEUE, connection=r).key, 0, job.id)  # w4 had taken it
-    play(r, req, StreamEvent(kind="start", worker_id="w4"),
-         StreamEvent(kind="delta", text="lost ", token_ids=[1]))  # fmt: skip
+    play(
+        r,
+        req,
+        StreamEvent(kind="start", worker_id="w4"),
+        StreamEvent(kind="delta", text="lost ", token_ids=[1]),
+    )
     _beating(r, "w4", age_s=liveness.DEAD_AFTER_S + 1)
     _, req2 = take_job(r, timeout=15)
     assert req2.request_id == f"{req.request_id}-1"
-    play(r, req2, StreamEvent(kind="start", worker_id="w5"),
-         StreamEvent(kind="delta", text="kept", token_ids=[1]),
-         StreamEvent(kind="done", finish_reason="length", completion_tokens=1))  # fmt: skip
+    play(
+        r,
+        req2,
+        StreamEvent(kind="start", worker_id="w5"),
+        StreamEvent(kind="delta", text="kept", token_ids=[1]),
+        StreamEvent(kind="done", finish_reason="length", completion_tokens=1),
+    )
     resp = fut.result(15)
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["text"] == "kept"

@@ -35,9 +35,13 @@ def served(redis_url: str, tiny_model_dir: Path, tmp_path: Path) -> Iterator[tup
         "PROMETHEUS_MULTIPROC_DIR": str(multiproc),
     }
     proc = subprocess.Popen(
-        [sys.executable, "-m", "router"], cwd=REPO, env=env, start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        [sys.executable, "-m", "router"],
+        cwd=REPO,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 40

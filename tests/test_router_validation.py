@@ -130,8 +130,10 @@ def test_wrong_type_in_a_message(client: httpx.Client, model_id: str) -> None:
 def test_unknown_model_is_404(client: httpx.Client) -> None:
     resp = client.post("/v1/completions", json={"model": "gpt-9", "prompt": "hi"})
     assert assert_error(resp, 404, "model")["code"] == "model_not_found"
-    resp = client.post("/v1/chat/completions", json={"model": "gpt-9", "messages": [
-        {"role": "user", "content": "hi"}]})  # fmt: skip
+    resp = client.post(
+        "/v1/chat/completions",
+        json={"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert assert_error(resp, 404)["code"] == "model_not_found"
 
 
@@ -171,14 +173,23 @@ def test_prompt_too_long_for_the_context(client: httpx.Client, model_id: str) ->
         ("/v1/completions", {"prompt": "hi", "stop": ["s"] * 17}, "stop"),
         ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
         ("/v1/completions", {"prompt": "hi", "temperature": 2.5}, "temperature"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                  "chat_template": "{% for %}"}, "chat_template"),
-        ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}},
-         "stream_options"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                  "stream": False, "stream_options": {}}, "stream_options"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "chat_template": "{% for %}"},
+            "chat_template",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "stream_options": {"include_usage": True}},
+            "stream_options",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "stream": False, "stream_options": {}},
+            "stream_options",
+        ),
     ],
-)  # fmt: skip
+)
 def test_invalid_requests_are_400(
     client: httpx.Client, model_id: str, path: str, body: dict[str, Any], param: str
 ) -> None:
@@ -198,9 +209,15 @@ def post_raw(client: httpx.Client, path: str, body: Any) -> httpx.Response:
 
 @pytest.mark.parametrize(
     ("seed", "message"),
-    [(-1, "[0, 2**63 - 1]"), (2**64, "[0, 2**63 - 1]"), (2**63, "[0, 2**63 - 1]"),
-     ("7", "integer"), (True, "integer"), (1.5, "integer")],
-)  # fmt: skip
+    [
+        (-1, "[0, 2**63 - 1]"),
+        (2**64, "[0, 2**63 - 1]"),
+        (2**63, "[0, 2**63 - 1]"),
+        ("7", "integer"),
+        (True, "integer"),
+        (1.5, "integer"),
+    ],
+)
 def test_seed_must_be_an_int_in_range(
     client: httpx.Client, model_id: str, seed: Any, message: str
 ) -> None:
@@ -214,11 +231,16 @@ def test_seed_must_be_an_int_in_range(
 
 @pytest.mark.parametrize(
     ("field", "value", "param"),
-    [("prompt", "ab\ud800", "prompt"), ("prompt", ["\ud800"], "prompt.0"),
-     ("stop", "\ud800", "stop"), ("stop", ["ok", "\udfff"], "stop.1"),
-     ("user", "\ud800", "user"), ("prompt_cache_key", "\ud800", "prompt_cache_key"),
-     ("model", "\ud800", "model")],
-)  # fmt: skip
+    [
+        ("prompt", "ab\ud800", "prompt"),
+        ("prompt", ["\ud800"], "prompt.0"),
+        ("stop", "\ud800", "stop"),
+        ("stop", ["ok", "\udfff"], "stop.1"),
+        ("user", "\ud800", "user"),
+        ("prompt_cache_key", "\ud800", "prompt_cache_key"),
+        ("model", "\ud800", "model"),
+    ],
+)
 def test_lone_surrogates_in_a_completion_are_400(
     client: httpx.Client, model_id: str, field: str, value: Any, param: str
 ) -> None:
@@ -229,14 +251,19 @@ def test_lone_surrogates_in_a_completion_are_400(
 
 @pytest.mark.parametrize(
     ("message", "extra", "param"),
-    [({"role": "user", "content": "\ud800"}, {}, "messages.0.content"),
-     ({"role": "user", "content": [{"type": "text", "text": "a\ud800"}]}, {},
-      "messages.0.content.0.text"),
-     ({"role": "user", "content": "hi", "name": "\ud800"}, {}, "messages.0.name"),
-     ({"role": "user", "content": "hi"}, {"user": "\ud800"}, "user"),
-     ({"role": "user", "content": "hi"}, {"stop": ["\ud800"]}, "stop.0"),
-     ({"role": "user", "content": "hi"}, {"chat_template": "\ud800"}, "chat_template")],
-)  # fmt: skip
+    [
+        ({"role": "user", "content": "\ud800"}, {}, "messages.0.content"),
+        (
+            {"role": "user", "content": [{"type": "text", "text": "a\ud800"}]},
+            {},
+            "messages.0.content.0.text",
+        ),
+        ({"role": "user", "content": "hi", "name": "\ud800"}, {}, "messages.0.name"),
+        ({"role": "user", "content": "hi"}, {"user": "\ud800"}, "user"),
+        ({"role": "user", "content": "hi"}, {"stop": ["\ud800"]}, "stop.0"),
+        ({"role": "user", "content": "hi"}, {"chat_template": "\ud800"}, "chat_template"),
+    ],
+)
 def test_lone_surrogates_in_a_chat_are_400(
     client: httpx.Client, model_id: str, message: dict[str, Any], extra: dict[str, Any], param: str
 ) -> None:
@@ -258,11 +285,25 @@ def test_a_surrogate_pair_is_text(client: httpx.Client, model_id: str) -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("stop", 5), ("stop", [5]), ("stop", ["a", None]), ("stop", [f"s{i}" for i in range(17)]),
-     ("temperature", "hot"), ("temperature", -0.5), ("temperature", True), ("top_p", 1.5),
-     ("top_p", "1"), ("max_tokens", True), ("max_tokens", 2.0), ("n", "1"), ("n", 0),
-     ("user", 5), ("prompt_cache_key", ["k"]), ("stream_options", 5)],
-)  # fmt: skip
+    [
+        ("stop", 5),
+        ("stop", [5]),
+        ("stop", ["a", None]),
+        ("stop", [f"s{i}" for i in range(17)]),
+        ("temperature", "hot"),
+        ("temperature", -0.5),
+        ("temperature", True),
+        ("top_p", 1.5),
+        ("top_p", "1"),
+        ("max_tokens", True),
+        ("max_tokens", 2.0),
+        ("n", "1"),
+        ("n", 0),
+        ("user", 5),
+        ("prompt_cache_key", ["k"]),
+        ("stream_options", 5),
+    ],
+)
 def test_bad_sampling_values_are_400(
     client: httpx.Client, model_id: str, field: str, value: Any
 ) -> None:
@@ -282,9 +323,19 @@ def test_sixteen_stop_sequences_are_allowed(client: httpx.Client, model_id: str)
 
 @pytest.mark.parametrize(
     "content",
-    [b"5", b'"a string"', b"null", b"[1, 2]", b"true", b"", b"{", b"{\"model\": NaN",
-     b"\xff\xfe{}", b"{\"model\": \"\xc3\"}"],
-)  # fmt: skip
+    [
+        b"5",
+        b'"a string"',
+        b"null",
+        b"[1, 2]",
+        b"true",
+        b"",
+        b"{",
+        b'{"model": NaN',
+        b"\xff\xfe{}",
+        b'{"model": "\xc3"}',
+    ],
+)
 def test_a_body_that_is_not_a_json_object_is_400(client: httpx.Client, content: bytes) -> None:
     for path in ("/v1/completions", "/v1/chat/completions"):
         resp = client.post(path, content=content, headers={"content-type": "application/json"})
@@ -339,8 +390,14 @@ def test_cache_stats_with_no_workers(client: httpx.Client) -> None:
     assert body["last_reject_reason"] is None and body["workers"] == {}
 
 
-def _fake_worker(r: redis.Redis, wid: str, alive: bool, counters: dict[str, int],
-                 gauges: dict[str, int], reject: dict[str, Any] | None) -> None:  # fmt: skip
+def _fake_worker(
+    r: redis.Redis,
+    wid: str,
+    alive: bool,
+    counters: dict[str, int],
+    gauges: dict[str, int],
+    reject: dict[str, Any] | None,
+) -> None:
     r.sadd(keys.workers_roster(), wid)
     if alive:  # a dead worker's info hash (identity, settings, gauges) has expired
         info = {"pid": "1", **gauges, "enabled": "1", "block_size": "16"}
@@ -354,14 +411,23 @@ def _fake_worker(r: redis.Redis, wid: str, alive: bool, counters: dict[str, int]
 
 def test_cache_stats_merges_workers(client: httpx.Client, redis_url: str) -> None:
     r = redis.Redis.from_url(redis_url)
-    _fake_worker(r, "a", True, {"hits": 3, "lookups": 4, "reject_disabled": 1},
-                 {"entries": 2, "bytes": 100}, {"reason": "disabled", "context_len": "9",
-                                                "at_unix_ms": "1000"})  # fmt: skip
+    _fake_worker(
+        r,
+        "a",
+        True,
+        {"hits": 3, "lookups": 4, "reject_disabled": 1},
+        {"entries": 2, "bytes": 100},
+        {"reason": "disabled", "context_len": "9", "at_unix_ms": "1000"},
+    )
     late = {"reason": "oversized", "seq_id": "seq-3", "context_len": "77", "at_unix_ms": "2000"}
     _fake_worker(
-        r, "b", False, {"hits": 1, "lookups": 4, "reject_oversized": 2},
-        {"entries": 5, "bytes": 500}, late,
-    )  # fmt: skip
+        r,
+        "b",
+        False,
+        {"hits": 1, "lookups": 4, "reject_oversized": 2},
+        {"entries": 5, "bytes": 500},
+        late,
+    )
     body = client.get("/v1/cache/stats").json()
     assert body["hits"] == 4 and body["lookups"] == 8 and body["hit_rate"] == 0.5
     assert body["reject_disabled"] == 1 and body["reject_oversized"] == 2

@@ -35,8 +35,7 @@ def toks(n: int, start: int) -> list[int]:
 @pytest.fixture(scope="module")
 def pool(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     env = {"MLXCEL_MAX_INFLIGHT_PER_WORKER": str(PER_WORKER), "MLXCEL_STEAL_AFTER_MS": "300"}
-    with running_pool(tiny_model_dir, tmp_path_factory.mktemp("routing"), workers=2,
-                      env=env) as p:  # fmt: skip
+    with running_pool(tiny_model_dir, tmp_path_factory.mktemp("routing"), workers=2, env=env) as p:
         p.r = redis.Redis.from_url(p.redis_url)
         wait_for(lambda: all(_alive(p, w) for w in WORKERS), 60, "both workers live")
         yield p
@@ -48,11 +47,15 @@ def _alive(pool, wid: str) -> bool:
 
 def complete(pool, prompt: list[int], max_tokens: int = 4) -> tuple[str, int]:
     """(the worker that served it, the prompt tokens it reused)."""
-    resp = httpx.post(f"{pool.url}/v1/completions", timeout=60, json={
-        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})  # fmt: skip
+    resp = httpx.post(
+        f"{pool.url}/v1/completions",
+        timeout=60,
+        json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+    )
     assert resp.status_code == 200, resp.text
     return resp.headers[WORKER_HEADER], resp.json()["usage"]["prompt_tokens_details"][
-        "cached_tokens"]  # fmt: skip
+        "cached_tokens"
+    ]
 
 
 def holds(r: redis.Redis, wid: str, prompt: list[int]) -> int:
@@ -105,9 +108,15 @@ def test_a_hot_prefix_spreads_to_the_second_worker_under_load(pool) -> None:
         async with httpx.AsyncClient(base_url=pool.url, timeout=60) as client:
 
             async def one(k: int) -> str:
-                resp = await client.post("/v1/completions", json={
-                    "model": MODEL, "prompt": PREFIX + tail(710 + 9 * k), "max_tokens": 24,
-                    "temperature": 0})  # fmt: skip
+                resp = await client.post(
+                    "/v1/completions",
+                    json={
+                        "model": MODEL,
+                        "prompt": PREFIX + tail(710 + 9 * k),
+                        "max_tokens": 24,
+                        "temperature": 0,
+                    },
+                )
                 assert resp.status_code == 200, resp.text
                 return resp.headers[WORKER_HEADER]
 
@@ -141,8 +150,11 @@ def test_after_the_holder_evicts_the_prefix_requests_go_by_load(pool) -> None:
 
 
 def _counters(pool, wid: str) -> dict[str, int]:
-    return {k.decode(): int(v) for k, v in
-            pool.r.hgetall(keys.worker_cache_counters(wid)).items() if v.isdigit()}  # fmt: skip
+    return {
+        k.decode(): int(v)
+        for k, v in pool.r.hgetall(keys.worker_cache_counters(wid)).items()
+        if v.isdigit()
+    }
 
 
 def test_the_choices_of_one_prompt_run_on_one_worker_that_computes_it_once(pool) -> None:
@@ -151,8 +163,11 @@ def test_the_choices_of_one_prompt_run_on_one_worker_that_computes_it_once(pool)
     prompt = toks(200, 401)
     before = {w: _counters(pool, w) for w in WORKERS}
     stats_before = _stats(pool)
-    resp = httpx.post(f"{pool.url}/v1/completions", timeout=60, json={
-        "model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0, "n": 4})  # fmt: skip
+    resp = httpx.post(
+        f"{pool.url}/v1/completions",
+        timeout=60,
+        json={"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0, "n": 4},
+    )
     assert resp.status_code == 200, resp.text
     wid = resp.headers[WORKER_HEADER]
     body = resp.json()
@@ -188,8 +203,17 @@ def test_mlxcel_pool_stats_shows_workers_rejects_and_routing(pool) -> None:
     env = {**os.environ, "COLUMNS": "220"}
     shown = subprocess.run(run, capture_output=True, text=True, timeout=60, env=env)
     assert shown.returncode == 0, shown.stderr
-    for word in ("w1", "w2", "heartbeat", "block_boundary_floor", "layout_constraints",
-                 "routing (policy cache_aware)", "cache", "spill", MODEL):  # fmt: skip
+    for word in (
+        "w1",
+        "w2",
+        "heartbeat",
+        "block_boundary_floor",
+        "layout_constraints",
+        "routing (policy cache_aware)",
+        "cache",
+        "spill",
+        MODEL,
+    ):
         assert word in shown.stdout, (word, shown.stdout)
     assert "ago" in shown.stdout  # the heartbeat's age
     raw = subprocess.run([*run, "--json"], capture_output=True, text=True, timeout=60)
@@ -204,10 +228,15 @@ def test_metrics_cover_every_worker_from_redis_whatever_its_host(pool) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{pool.url}/metrics", timeout=10).text
-    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if not s.labels}  # fmt: skip
-    in_redis = sum(int(pool.r.hget(keys.worker_cache_counters(w), "requests") or 0)
-                   for w in WORKERS)  # fmt: skip
+    samples = {
+        s.name: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if not s.labels
+    }
+    in_redis = sum(
+        int(pool.r.hget(keys.worker_cache_counters(w), "requests") or 0) for w in WORKERS
+    )
     assert samples["mlxcel_requests_total"] == in_redis > 0
     assert samples["mlxcel_workers_alive"] == 2
     cache = [
@@ -246,7 +275,9 @@ def test_every_series_the_grafana_dashboard_queries_is_exported(pool) -> None:
                 for lab in (x.strip() for x in label.split(",")):
                     names = re.findall(r"mlxcel_[a-z_]+", target["expr"])
                     assert lab == "le" or any(lab in exported[n] for n in names), (
-                        panel["title"], lab)  # fmt: skip
+                        panel["title"],
+                        lab,
+                    )
     assert queried >= 20
 
 
@@ -285,14 +316,18 @@ def test_when_the_holder_dies_its_requests_are_served_elsewhere(pool) -> None:
     # Once the peer has reaped it, its routing entries are gone, not just ignored.
     old_epoch = pool.r.hget(keys.worker_info(holder), "epoch")
     wait_for(lambda: pool.r.exists(keys.worker_reaped(holder)), 20, "the holder reaped")
-    assert not pool.r.exists(keys.worker_routed(holder), keys.worker_load(holder),
-                             keys.worker_prefill(holder))  # fmt: skip
+    assert not pool.r.exists(
+        keys.worker_routed(holder), keys.worker_load(holder), keys.worker_prefill(holder)
+    )
     if old_epoch is not None:  # read before its info hash expired
         assert not pool.r.exists(keys.worker_blocks(holder, old_epoch.decode()))
     # It comes back under a new epoch: its last life's blocks never count again.
     pool.start_worker(holder)
-    wait_for(lambda: pool.r.hget(keys.worker_info(holder), "epoch") not in (None, old_epoch),
-             120, "the holder restarted")  # fmt: skip
+    wait_for(
+        lambda: pool.r.hget(keys.worker_info(holder), "epoch") not in (None, old_epoch),
+        120,
+        "the holder restarted",
+    )
     wait_for(lambda: _alive(pool, holder), 30, "live again")
     assert holds(pool.r, holder, PREFIX) == 0
     assert complete(pool, PREFIX + tail(740))[0] == _other(holder)
@@ -316,8 +351,11 @@ def test_two_models_in_one_pool_each_request_runs_on_a_worker_of_its_model(
     assert httpx.get(f"{pool.url}/v1/models/{other}", timeout=10).json()["id"] == other
 
     def run(model: str) -> tuple[str, str]:
-        resp = httpx.post(f"{pool.url}/v1/completions", timeout=60, json={
-            "model": model, "prompt": PREFIX, "max_tokens": 6, "temperature": 0})  # fmt: skip
+        resp = httpx.post(
+            f"{pool.url}/v1/completions",
+            timeout=60,
+            json={"model": model, "prompt": PREFIX, "max_tokens": 6, "temperature": 0},
+        )
         assert resp.status_code == 200, resp.text
         return resp.headers[WORKER_HEADER], resp.json()["choices"][0]["text"]
 
@@ -334,8 +372,9 @@ def test_two_models_in_one_pool_each_request_runs_on_a_worker_of_its_model(
     )
     assert unknown.status_code == 404
     assert unknown.json()["error"]["code"] == "model_not_found"
-    assert MODEL in unknown.json()["error"]["message"] and other in unknown.json()["error"][
-        "message"]  # fmt: skip
+    assert (
+        MODEL in unknown.json()["error"]["message"] and other in unknown.json()["error"]["message"]
+    )
 
     # Its only worker stops: the model leaves the list, and its requests get a clear 503.
     pool.stop_worker("b1")

@@ -27,15 +27,32 @@ def _members(tokens: list[int], model: str = MODEL) -> list[bytes]:
 
 
 def _ledger(redis_url: str, policy: str = "cache_aware", **admission: Any) -> AdmissionLedger:
-    config = AdmissionConfig(**{"max_inflight": 0, "max_inflight_per_worker": 0,
-                                "max_queued_prompt_tokens": 0, **admission})  # fmt: skip
-    return AdmissionLedger(config, RoutingConfig(policy=policy), PromptCacheConfig(),
-                           redis.Redis.from_url(redis_url),
-                           aioredis.Redis.from_url(redis_url))  # fmt: skip
+    config = AdmissionConfig(
+        **{
+            "max_inflight": 0,
+            "max_inflight_per_worker": 0,
+            "max_queued_prompt_tokens": 0,
+            **admission,
+        }
+    )
+    return AdmissionLedger(
+        config,
+        RoutingConfig(policy=policy),
+        PromptCacheConfig(),
+        redis.Redis.from_url(redis_url),
+        aioredis.Redis.from_url(redis_url),
+    )
 
 
-def _worker(r: redis.Redis, wid: str, *, model: str = MODEL, epoch: str = "e1",
-            alive: bool = True, holds: list[int] | None = None) -> None:  # fmt: skip
+def _worker(
+    r: redis.Redis,
+    wid: str,
+    *,
+    model: str = MODEL,
+    epoch: str = "e1",
+    alive: bool = True,
+    holds: list[int] | None = None,
+) -> None:
     r.sadd(keys.workers_roster(), wid)
     info = keys.worker_info(wid)
     r.hset(info, mapping={"pid": "1", "model": model, "epoch": epoch})
@@ -106,7 +123,10 @@ def test_a_prefix_still_prefilling_counts_for_the_worker_it_was_sent_to(redis_ur
         await ledger.started("a", first.worker_id, 0)
         second = _place(ledger, "b", SYSTEM + [2] * 5)
         assert (second.worker_id, second.outcome, second.predicted_tokens) == (
-            first.worker_id, "cache", 128)  # fmt: skip
+            first.worker_id,
+            "cache",
+            128,
+        )
         # The marks go with the request that wrote them last; until then they stay.
         routed = keys.worker_routed(first.worker_id)
         await ledger.release("a")
@@ -295,8 +315,10 @@ def test_the_choices_of_one_prompt_are_placed_together_or_refused_together(
     assert r.hkeys(keys.admission_queued_tokens()) == [b"a"]
     assert r.hkeys(keys.worker_prefill(wid)) == [b"a"]
     stats = {k.decode(): int(v) for k, v in r.hgetall(keys.routing_stats()).items()}
-    assert stats[f"routed:{wid}"] == 4 and sum(
-        v for k, v in stats.items() if k.startswith("decisions:")) == 1  # fmt: skip
+    assert (
+        stats[f"routed:{wid}"] == 4
+        and sum(v for k, v in stats.items() if k.startswith("decisions:")) == 1
+    )
     # Each sibling is expected to reuse all of the prompt but its last token.
     assert stats[f"predicted_tokens:{wid}"] == 3 * (len(prompt) - 1)
 

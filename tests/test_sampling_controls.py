@@ -131,8 +131,18 @@ def entries(run: Run, rid: str) -> list[list[Any]]:
 
 def test_neutral_controls_are_plain_greedy(tiny: Model, counting: list[int]) -> None:
     plain = tokens_of(tiny, spec("g", counting, N))
-    neutral = spec("n", counting, N, top_k=0, min_p=0.0, repetition_penalty=1.0, top_p=1.0,
-                   presence_penalty=0.0, frequency_penalty=0.0, logit_bias={})  # fmt: skip
+    neutral = spec(
+        "n",
+        counting,
+        N,
+        top_k=0,
+        min_p=0.0,
+        repetition_penalty=1.0,
+        top_p=1.0,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        logit_bias={},
+    )
     assert tokens_of(tiny, neutral) == plain == reference_greedy(tiny, counting)[0]
 
 
@@ -213,11 +223,24 @@ def test_logit_bias_out_of_the_vocabulary_fails_at_admission(tiny: Model) -> Non
 MIXED = [
     ("plain", P1, {}),
     ("freq", P2, {"frequency_penalty": 1.2, "logprobs": 2}),
-    ("hot", P3, {"temperature": 1.0, "seed": 5, "top_k": 20, "min_p": 0.02,
-                 "logit_bias": {7: 3.0}}),
-    ("nucleus", P1, {"temperature": 0.8, "seed": 9, "top_p": 0.9, "presence_penalty": 0.5,
-                     "repetition_penalty": 1.2, "logprobs": 3}),
-]  # fmt: skip
+    (
+        "hot",
+        P3,
+        {"temperature": 1.0, "seed": 5, "top_k": 20, "min_p": 0.02, "logit_bias": {7: 3.0}},
+    ),
+    (
+        "nucleus",
+        P1,
+        {
+            "temperature": 0.8,
+            "seed": 9,
+            "top_p": 0.9,
+            "presence_penalty": 0.5,
+            "repetition_penalty": 1.2,
+            "logprobs": 3,
+        },
+    ),
+]
 
 
 def test_mixed_controls_in_one_batch_each_get_what_they_get_alone(tiny: Model) -> None:
@@ -253,8 +276,12 @@ def test_a_seeded_request_samples_the_same_alone_and_beside_others(tiny: Model) 
 def test_the_fast_start_applies_the_controls(tiny: Model) -> None:
     """A warm request's first token is sampled in admit, outside BatchGenerator: the same
     processors, over the same tokens, and its logprob entry too."""
-    controls = {"frequency_penalty": 1.0, "repetition_penalty": 1.3, "logprobs": 2,
-                "logit_bias": {9: 2.0}}  # fmt: skip
+    controls = {
+        "frequency_penalty": 1.0,
+        "repetition_penalty": 1.3,
+        "logprobs": 2,
+        "logit_bias": {9: 2.0},
+    }
     pc = make_cache(tiny, "dense")
     engine = make_engine(tiny, pc)
     first = Run()
@@ -304,8 +331,18 @@ def test_logprobs_come_after_the_processors_and_before_temperature(
     """The documented distribution: log-softmax of the logits after the request's penalties
     and bias, before temperature and truncation (worker/engine/sampling.py)."""
     table = {5: 4.0, 77: -3.0}
-    s = spec("p", counting, N, temperature=1.7, seed=21, top_k=40, logit_bias=table,
-             frequency_penalty=0.8, presence_penalty=0.3, logprobs=1)  # fmt: skip
+    s = spec(
+        "p",
+        counting,
+        N,
+        temperature=1.7,
+        seed=21,
+        top_k=40,
+        logit_bias=table,
+        frequency_penalty=0.8,
+        presence_penalty=0.3,
+        logprobs=1,
+    )
     run = alone(tiny, s)
     tokens = run.tokens("p")
     adjust = [bias(table), frequency_presence(0.8, 0.3)]
@@ -391,8 +428,9 @@ def test_echo_returns_the_prompt_then_its_completion(
     assert out["usage"]["completion_tokens"] == 8
     assert out["usage"]["prompt_tokens"] == len(counting)
     # Streamed, the prompt's text is the first chunk.
-    resp = post(pool, "/v1/completions", {"prompt": prompt, "max_tokens": 8, "echo": True,
-                                          "stream": True})  # fmt: skip
+    resp = post(
+        pool, "/v1/completions", {"prompt": prompt, "max_tokens": 8, "echo": True, "stream": True}
+    )
     assert resp.status_code == 200, resp.text
     chunks = [c["choices"][0] for c in sse_events(resp) if c["choices"]]
     assert chunks[0]["text"] == prompt and "".join(c["text"] for c in chunks) == text
@@ -404,8 +442,13 @@ def test_echo_returns_the_prompt_then_its_completion(
         assert only["usage"]["completion_tokens"] == 0
     # Every choice of every prompt starts with its own prompt.
     fox = "The quick brown fox"
-    many = ok(post(pool, "/v1/completions", {"prompt": [prompt, fox], "n": 2, "max_tokens": 3,
-                                             "echo": True}))  # fmt: skip
+    many = ok(
+        post(
+            pool,
+            "/v1/completions",
+            {"prompt": [prompt, fox], "n": 2, "max_tokens": 3, "echo": True},
+        )
+    )
     starts = [c["text"][: len(prompt if c["index"] < 2 else fox)] for c in many["choices"]]
     assert starts == [prompt, prompt, fox, fox]
     # A prompt whose last character spans several tokens, or that ends in a space the
@@ -460,8 +503,9 @@ def test_echo_logprobs_of_the_prompt_are_what_its_greedy_continuation_reported(
     np.testing.assert_allclose(blp["token_logprobs"][1:k], lp["token_logprobs"][1:k], atol=1e-4)
     _prompt_offsets_point_at_their_tokens(blp, text)
     # Streamed: the first chunk carries the prompt's text and its tokens' logprobs.
-    resp = post(pool, "/v1/completions", {**body, "prompt": counting, "max_tokens": 6,
-                                          "stream": True})  # fmt: skip
+    resp = post(
+        pool, "/v1/completions", {**body, "prompt": counting, "max_tokens": 6, "stream": True}
+    )
     assert resp.status_code == 200, resp.text
     chunks = [c["choices"][0] for c in sse_events(resp) if c["choices"]]
     assert chunks[0]["text"] == tiny.tokenizer.decode(counting)
@@ -518,17 +562,39 @@ def test_controls_reach_the_worker(pool: Any) -> None:
     newer = ok(post(pool, "/v1/completions", {"prompt": "hi", "max_completion_tokens": 3}))
     assert newer["usage"]["completion_tokens"] == 3
     # What the pool serves of the refused fields passes: their defaults.
-    fine = {"prompt": "hi", "max_tokens": 2, "echo": False, "best_of": 1, "suffix": None,
-            "response_format": {"type": "text"}, "top_k": -1, "min_p": 0}  # fmt: skip
+    fine = {
+        "prompt": "hi",
+        "max_tokens": 2,
+        "echo": False,
+        "best_of": 1,
+        "suffix": None,
+        "response_format": {"type": "text"},
+        "top_k": -1,
+        "min_p": 0,
+    }
     ok(post(pool, "/v1/completions", fine))
     # Structured outputs are served (tests/test_structured_output.py checks what they produce).
-    for fmt in ({"type": "json_object"},
-                {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}):  # fmt: skip
-        ok(post(pool, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2,
-                                               "response_format": fmt}))  # fmt: skip
-    penalized = {"messages": CHAT, "max_tokens": 4, "repetition_penalty": 1.3, "top_k": 5,
-                 "presence_penalty": 1, "frequency_penalty": -1, "temperature": 1,
-                 "seed": 3}  # fmt: skip
+    for fmt in (
+        {"type": "json_object"},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
+    ):
+        ok(
+            post(
+                pool,
+                "/v1/chat/completions",
+                {"messages": CHAT, "max_tokens": 2, "response_format": fmt},
+            )
+        )
+    penalized = {
+        "messages": CHAT,
+        "max_tokens": 4,
+        "repetition_penalty": 1.3,
+        "top_k": 5,
+        "presence_penalty": 1,
+        "frequency_penalty": -1,
+        "temperature": 1,
+        "seed": 3,
+    }
     ok(post(pool, "/v1/chat/completions", penalized))
 
 
@@ -558,10 +624,18 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("completions", {"best_of": 2}, "best_of"),
     ("completions", {"suffix": "tail"}, "suffix"),
     ("chat", {"response_format": {"type": "xml"}}, "response_format"),
-    ("completions", {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "foo"}}}}, "response_format"),
+    (
+        "completions",
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "foo"}},
+            }
+        },
+        "response_format",
+    ),
     ("completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("kind", "extra", "param"), BAD)

@@ -31,8 +31,10 @@ def ref_chain(n: int) -> dict[str, Any]:
 
 def nested_through_refs(n: int) -> dict[str, Any]:
     """n objects, each one property that refers to the next definition."""
-    defs = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}}
-            for i in range(n)}  # fmt: skip
+    defs = {
+        f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}}
+        for i in range(n)
+    }
     return {"$defs": {**defs, f"d{n}": {"type": "integer"}}, "$ref": "#/$defs/d0"}
 
 
@@ -70,7 +72,7 @@ def test_nesting_followed_through_refs_is_bounded_cycles_counted_once() -> None:
         },
         "$ref": "#/$defs/node",
     }
-    check_schema(tree, "'s'")  # fmt: skip
+    check_schema(tree, "'s'")
 
 
 def test_each_written_out_limit() -> None:
@@ -94,8 +96,16 @@ def test_a_real_schema_passes() -> None:
     from tests.test_structured_output import SCHEMA
 
     check_schema(SCHEMA, "'s'")
-    wide = {"type": "object", "properties": {f"p{i}": {"type": "object", "properties": {
-        f"q{j}": {"enum": ["a", "b", "c"]} for j in range(20)}} for i in range(90)}}  # fmt: skip
+    wide = {
+        "type": "object",
+        "properties": {
+            f"p{i}": {
+                "type": "object",
+                "properties": {f"q{j}": {"enum": ["a", "b", "c"]} for j in range(20)},
+            }
+            for i in range(90)
+        },
+    }
     started = time.perf_counter()
     check_schema(wide, "'s'")  # 1,890 properties, about 100 KB
     assert time.perf_counter() - started < 1.0
@@ -171,10 +181,12 @@ def test_the_worker_checks_the_grammar_it_is_handed_before_compiling_it() -> Non
     from worker.engine.grammar import GrammarError, GrammarTokenizer
 
     chain = {
-        "$defs": {**{f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(3000)},
-                  "d3000": {"type": "integer"}},
+        "$defs": {
+            **{f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(3000)},
+            "d3000": {"type": "integer"},
+        },
         "$ref": "#/$defs/d0",
-    }  # fmt: skip
+    }
     grammar = LLMatcher.grammar_from_json_schema(chain)
     tokenizer = GrammarTokenizer(None, 8, frozenset())  # never built: the check comes first
     with pytest.raises(GrammarError, match=r"\$ref"):

@@ -175,16 +175,19 @@ def test_a_grammar_the_worker_cannot_compile_fails_at_admission(tiny: Model) -> 
 
 PROMPT = "1, 2, 3, 4, 5,"
 CHAT = [{"role": "user", "content": PROMPT}]
-JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA,
-                                                      "strict": True}}  # fmt: skip
+JSON_SCHEMA = {
+    "type": "json_schema",
+    "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True},
+}
 
 
 @pytest.fixture(scope="module")
 def pool(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     with running_pool(
-        tiny_model_dir, tmp_path_factory.mktemp("structured"),
+        tiny_model_dir,
+        tmp_path_factory.mktemp("structured"),
         overrides={"worker": {"batch_size": 4}, "router": {"processes": 1}},
-    ) as p:  # fmt: skip
+    ) as p:
         yield p
 
 
@@ -211,8 +214,11 @@ def test_json_schema_on_both_endpoints_streamed_and_not(pool: Any) -> None:
     streamed = "".join(c["delta"].get("content") or "" for c in choices)
     assert streamed == message["message"]["content"]
     assert choices[-1]["finish_reason"] == "stop"
-    resp = post(pool, "/v1/completions", {"prompt": PROMPT, **body, "stream": True, "n": 2,
-                                          "temperature": 1.0, "seed": 9})  # fmt: skip
+    resp = post(
+        pool,
+        "/v1/completions",
+        {"prompt": PROMPT, **body, "stream": True, "n": 2, "temperature": 1.0, "seed": 9},
+    )
     assert resp.status_code == 200, resp.text
     texts = {0: "", 1: ""}
     for c in sse_events(resp):
@@ -232,8 +238,13 @@ def test_regex_and_lark_grammar_extensions(pool: Any) -> None:
     out = complete(pool, response_format={"type": "regex", "regex": REGEX}, max_tokens=32)
     assert out["finish_reason"] == "stop" and re.fullmatch(REGEX, out["text"]), out
     lark = 'start: answer " because " reason\nanswer: "yes" | "no"\nreason: /[a-z]{1,8}/'
-    out = chat(pool, response_format={"type": "grammar", "grammar": lark}, max_tokens=32,
-               temperature=1.0, seed=2)  # fmt: skip
+    out = chat(
+        pool,
+        response_format={"type": "grammar", "grammar": lark},
+        max_tokens=32,
+        temperature=1.0,
+        seed=2,
+    )
     assert out["finish_reason"] == "stop"
     assert re.fullmatch(r"(yes|no) because [a-z]{1,8}", out["message"]["content"]), out
 
@@ -248,8 +259,9 @@ def test_json_object(pool: Any) -> None:
     else:
         assert out["finish_reason"] == "length" and text.startswith("{")
     closing = {"97": 100}  # '}' (token 97): allowed only where the object may end
-    out = chat(pool, response_format={"type": "json_object"}, logit_bias=closing,
-               max_tokens=MAX_TOKENS)  # fmt: skip
+    out = chat(
+        pool, response_format={"type": "json_object"}, logit_bias=closing, max_tokens=MAX_TOKENS
+    )
     assert out["finish_reason"] == "stop" and json.loads(out["message"]["content"]) == {}
 
 
@@ -275,21 +287,30 @@ BAD_FORMATS: list[Any] = [
     {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}},
     {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}},
     {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": "yes"}},
-    {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "string", "pattern": "(?=a)b"}}},  # look-around: not a regex llguidance takes
+    {
+        "type": "json_schema",
+        "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(?=a)b"}},
+    },  # look-around: not a regex llguidance takes
     {"type": "regex", "regex": "a(b"},
     {"type": "regex"},
     {"type": "grammar", "grammar": "start: undefined_rule"},
-    {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "object", "description": "x" * MAX_GRAMMAR_BYTES}}},
+    {
+        "type": "json_schema",
+        "json_schema": {
+            "name": "x",
+            "schema": {"type": "object", "description": "x" * MAX_GRAMMAR_BYTES},
+        },
+    },
     "json_object",
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("fmt", BAD_FORMATS)
 def test_bad_formats_are_400_naming_response_format(pool: Any, fmt: Any) -> None:
-    for path, body in (("/v1/chat/completions", {"messages": CHAT}),
-                       ("/v1/completions", {"prompt": PROMPT})):  # fmt: skip
+    for path, body in (
+        ("/v1/chat/completions", {"messages": CHAT}),
+        ("/v1/completions", {"prompt": PROMPT}),
+    ):
         resp = post(pool, path, {**body, "max_tokens": 4, "response_format": fmt})
         assert resp.status_code == 400, resp.text
         err = resp.json()["error"]

@@ -92,8 +92,9 @@ BACK_WITHIN_S = 90  # a worker loads its model again before it registers
 @pytest.fixture(scope="module")
 def pool(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
     work = tmp_path_factory.mktemp("supervised")
-    with running_pool(tiny_model_dir, work, workers=2,
-                      overrides={"supervisor": FAST_RESTARTS}) as p:  # fmt: skip
+    with running_pool(
+        tiny_model_dir, work, workers=2, overrides={"supervisor": FAST_RESTARTS}
+    ) as p:
         yield p
 
 

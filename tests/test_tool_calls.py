@@ -109,10 +109,15 @@ def as_template_sees(turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
             m["content"] = ""
         if "tool_calls" in m:
             m["tool_calls"] = [
-                {**c, "function": {**c["function"],
-                                   "arguments": json.loads(c["function"]["arguments"])}}
+                {
+                    **c,
+                    "function": {
+                        **c["function"],
+                        "arguments": json.loads(c["function"]["arguments"]),
+                    },
+                }
                 for c in m["tool_calls"]
-            ]  # fmt: skip
+            ]
         out.append(m)
     return out
 
@@ -212,14 +217,20 @@ def call_events(prompt_len: int, text: str = CALL_TEXT) -> list[StreamEvent]:
         StreamEvent(kind="delta", text=text[:cut], token_ids=[1]),
         StreamEvent(kind="delta", text=text[cut:-5], token_ids=[2]),
         StreamEvent(kind="delta", text=text[-5:], token_ids=[3]),
-        StreamEvent(kind="done", finish_reason="stop", prompt_tokens=prompt_len,
-                    completion_tokens=3),
-    ]  # fmt: skip
+        StreamEvent(
+            kind="done", finish_reason="stop", prompt_tokens=prompt_len, completion_tokens=3
+        ),
+    ]
 
 
 def tools_body(model_id: str, **extra: Any) -> dict[str, Any]:
-    return {"model": model_id, "messages": SDK_TURNS, "tools": [WEATHER],
-            "chat_template": TOOLS_TEMPLATE, **extra}  # fmt: skip
+    return {
+        "model": model_id,
+        "messages": SDK_TURNS,
+        "tools": [WEATHER],
+        "chat_template": TOOLS_TEMPLATE,
+        **extra,
+    }
 
 
 def test_relay_renders_tools_and_parses_the_call(
@@ -228,9 +239,14 @@ def test_relay_renders_tools_and_parses_the_call(
     body = tools_body(model_id, tool_choice="auto", chat_template_kwargs={"greeting": "Hello!"})
     fut = pool.submit(post, router_url, "/v1/chat/completions", body)
     _, req = take_job(r)
-    text = hf.apply_chat_template(as_template_sees(SDK_TURNS), tools=[WEATHER],
-                                  chat_template=TOOLS_TEMPLATE, tokenize=False,
-                                  add_generation_prompt=True, greeting="Hello!")  # fmt: skip
+    text = hf.apply_chat_template(
+        as_template_sees(SDK_TURNS),
+        tools=[WEATHER],
+        chat_template=TOOLS_TEMPLATE,
+        tokenize=False,
+        add_generation_prompt=True,
+        greeting="Hello!",
+    )
     assert text.startswith("Hello!\n") and "get_weather: {" in text and "sunny [call_1]" in text
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
     assert "<|im_start|>system\nUse tools." in text
@@ -267,11 +283,16 @@ def test_relay_streams_tool_call_deltas(
 def test_tool_choice_none_leaves_tools_out(
     router_url: str, r: redis.Redis, pool: ThreadPoolExecutor, hf: Any, model_id: str
 ) -> None:
-    fut = pool.submit(post, router_url, "/v1/chat/completions",
-                      tools_body(model_id, tool_choice="none"))  # fmt: skip
+    fut = pool.submit(
+        post, router_url, "/v1/chat/completions", tools_body(model_id, tool_choice="none")
+    )
     _, req = take_job(r)
-    text = hf.apply_chat_template(as_template_sees(SDK_TURNS), chat_template=TOOLS_TEMPLATE,
-                                  tokenize=False, add_generation_prompt=True)  # fmt: skip
+    text = hf.apply_chat_template(
+        as_template_sees(SDK_TURNS),
+        chat_template=TOOLS_TEMPLATE,
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     assert req.prompt_tokens == hf.encode(text, add_special_tokens=False)
     play(r, req, *call_events(len(req.prompt_tokens)))
     choice = fut.result(15).json()["choices"][0]
@@ -285,24 +306,33 @@ def test_tool_choice_none_leaves_tools_out(
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
         ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
         ({"messages": [{"role": "assistant", "content": None}]}, "messages[0].content"),
-        ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
-         "messages[0].tool_calls"),
+        (
+            {"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+            "messages[0].tool_calls",
+        ),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
         ({"tools": {"type": "function"}}, "tools"),
-        ({"tools": [{"type": "function", "function": {"description": "no name"}}]},
-         "tools.0.function.name"),
+        (
+            {"tools": [{"type": "function", "function": {"description": "no name"}}]},
+            "tools.0.function.name",
+        ),
         ({"tools": [{"type": "retrieval"}]}, "tools.0.type"),
         ({"tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice"),
         ({"tools": None, "tool_choice": "required"}, "tool_choice"),
         # A call forced on a template whose call format no grammar writes: refused, not ignored.
         ({"tool_choice": "required", "chat_template": PLAIN_TEMPLATE}, "tool_choice"),
-        ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-          "response_format": {"type": "json_object"}}, "tool_choice"),
+        (
+            {
+                "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                "response_format": {"type": "json_object"},
+            },
+            "tool_choice",
+        ),
         ({"parallel_tool_calls": False}, "parallel_tool_calls"),
         ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
         ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
     ],
-)  # fmt: skip
+)
 def test_bad_tool_input_is_a_400_naming_the_param(
     router_url: str, model_id: str, change: dict[str, Any], param: str
 ) -> None:
@@ -324,16 +354,27 @@ def real_pool(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 def test_pool_serves_a_tool_conversation(real_pool: Any, hf: Any, model_id: str) -> None:
     def ask(**extra: Any) -> dict[str, Any]:
-        body = {"model": model_id, "messages": SDK_TURNS, "chat_template": TOOLS_TEMPLATE,
-                "max_tokens": 4, "temperature": 0, **extra}  # fmt: skip
+        body = {
+            "model": model_id,
+            "messages": SDK_TURNS,
+            "chat_template": TOOLS_TEMPLATE,
+            "max_tokens": 4,
+            "temperature": 0,
+            **extra,
+        }
         resp = httpx.post(f"{real_pool.url}/v1/chat/completions", json=body, timeout=60)
         assert resp.status_code == 200, resp.text
         return resp.json()
 
     plain, with_tools = ask(), ask(tools=[WEATHER], chat_template_kwargs={"greeting": "Hi"})
-    text = hf.apply_chat_template(as_template_sees(SDK_TURNS), tools=[WEATHER],
-                                  chat_template=TOOLS_TEMPLATE, tokenize=False,
-                                  add_generation_prompt=True, greeting="Hi")  # fmt: skip
+    text = hf.apply_chat_template(
+        as_template_sees(SDK_TURNS),
+        tools=[WEATHER],
+        chat_template=TOOLS_TEMPLATE,
+        tokenize=False,
+        add_generation_prompt=True,
+        greeting="Hi",
+    )
     expected = len(hf.encode(text, add_special_tokens=False))
     assert with_tools["usage"]["prompt_tokens"] == expected
     assert plain["usage"]["prompt_tokens"] < expected
@@ -355,9 +396,15 @@ def test_a_tool_call_the_model_writes_is_parsed(real_pool: Any, model_id: str) -
     """The tiny model writes a tool call (its output constrained by a regex): the router parses
     it into `tool_calls` with finish_reason "tool_calls", streamed as deltas and not."""
     fmt = {"type": "regex", "regex": CALL_REGEX}
-    body = {"model": model_id, "messages": [{"role": "user", "content": "Weather?"}],
-            "chat_template": TOOLS_TEMPLATE, "tools": [WEATHER], "max_tokens": 64,
-            "temperature": 0, "response_format": fmt}  # fmt: skip
+    body = {
+        "model": model_id,
+        "messages": [{"role": "user", "content": "Weather?"}],
+        "chat_template": TOOLS_TEMPLATE,
+        "tools": [WEATHER],
+        "max_tokens": 64,
+        "temperature": 0,
+        "response_format": fmt,
+    }
     resp = httpx.post(f"{real_pool.url}/v1/chat/completions", json=body, timeout=60)
     assert resp.status_code == 200, resp.text
     choice = resp.json()["choices"][0]
@@ -370,8 +417,9 @@ def test_a_tool_call_the_model_writes_is_parsed(real_pool: Any, model_id: str) -
     assert not choice["message"]["content"]  # the call's text is never content
 
     chunks = []
-    with httpx.stream("POST", f"{real_pool.url}/v1/chat/completions",
-                      json={**body, "stream": True}, timeout=60) as streamed:  # fmt: skip
+    with httpx.stream(
+        "POST", f"{real_pool.url}/v1/chat/completions", json={**body, "stream": True}, timeout=60
+    ) as streamed:
         assert streamed.status_code == 200
         for line in streamed.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -387,8 +435,12 @@ def test_a_tool_call_the_model_writes_is_parsed(real_pool: Any, model_id: str) -
 
 def _tool(name: str, arg: str, values: list[str]) -> dict[str, Any]:
     """A function whose one argument is one of `values`: a call the grammar bounds."""
-    params = {"type": "object", "properties": {arg: {"type": "string", "enum": values}},
-              "required": [arg], "additionalProperties": False}  # fmt: skip
+    params = {
+        "type": "object",
+        "properties": {arg: {"type": "string", "enum": values}},
+        "required": [arg],
+        "additionalProperties": False,
+    }
     return {"type": "function", "function": {"name": name, "parameters": params}}
 
 
@@ -396,9 +448,16 @@ CITY, ZONE = _tool("get_city", "city", ["Paris", "Rome"]), _tool("get_time", "zo
 
 
 def _forced(real_pool: Any, model_id: str, choice: Any, **extra: Any) -> dict[str, Any]:
-    body = {"model": model_id, "messages": [{"role": "user", "content": "Help?"}],
-            "chat_template": TOOLS_TEMPLATE, "tools": [CITY, ZONE], "tool_choice": choice,
-            "max_tokens": 64, "temperature": 0, **extra}  # fmt: skip
+    body = {
+        "model": model_id,
+        "messages": [{"role": "user", "content": "Help?"}],
+        "chat_template": TOOLS_TEMPLATE,
+        "tools": [CITY, ZONE],
+        "tool_choice": choice,
+        "max_tokens": 64,
+        "temperature": 0,
+        **extra,
+    }
     resp = httpx.post(f"{real_pool.url}/v1/chat/completions", json=body, timeout=60)
     assert resp.status_code == 200, resp.text
     return resp.json()
@@ -426,16 +485,28 @@ def test_a_named_tool_choice_calls_that_function(real_pool: Any, model_id: str) 
         assert call["function"]["name"] == "get_time"
         assert json.loads(call["function"]["arguments"])["zone"] in ("UTC", "CET")
     chunks = []
-    body = {"model": model_id, "messages": [{"role": "user", "content": "Help?"}],
-            "chat_template": TOOLS_TEMPLATE, "tools": [CITY, ZONE], "tool_choice": named,
-            "max_tokens": 64, "temperature": 0, "stream": True}  # fmt: skip
-    with httpx.stream("POST", f"{real_pool.url}/v1/chat/completions", json=body,
-                      timeout=60) as streamed:  # fmt: skip
+    body = {
+        "model": model_id,
+        "messages": [{"role": "user", "content": "Help?"}],
+        "chat_template": TOOLS_TEMPLATE,
+        "tools": [CITY, ZONE],
+        "tool_choice": named,
+        "max_tokens": 64,
+        "temperature": 0,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST", f"{real_pool.url}/v1/chat/completions", json=body, timeout=60
+    ) as streamed:
         for line in streamed.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 chunks.append(json.loads(line[6:]))
-    calls = [tc for c in chunks if c["choices"] for tc in c["choices"][0]["delta"].get(
-        "tool_calls") or []]  # fmt: skip
+    calls = [
+        tc
+        for c in chunks
+        if c["choices"]
+        for tc in c["choices"][0]["delta"].get("tool_calls") or []
+    ]
     assert calls and calls[0]["function"]["name"] == "get_time"
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
@@ -451,11 +522,19 @@ def test_a_forced_call_grammar_follows_the_parameters_own_refs(tiny_model_dir: P
 
     tok = load_tokenizer(tiny_model_dir, 1)
     parser = load_parser("json_tools")
-    location = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris"]}},
-                "required": ["city"], "additionalProperties": False}  # fmt: skip
-    params = {"type": "object", "properties": {"at": {"$ref": "#/$defs/Location"}},
-              "required": ["at"], "additionalProperties": False,
-              "$defs": {"Location": location}}  # fmt: skip
+    location = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "enum": ["Paris"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    params = {
+        "type": "object",
+        "properties": {"at": {"$ref": "#/$defs/Location"}},
+        "required": ["at"],
+        "additionalProperties": False,
+        "$defs": {"Location": location},
+    }
     tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
     grammar = forced_call_grammar(tools, "f", parser, tok)
 

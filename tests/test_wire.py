@@ -31,9 +31,13 @@ PROPERTY = settings(max_examples=200, deadline=None)
 
 # What msgpack can carry: ints span int64 and uint64, text has no lone surrogates.
 SCALARS = (
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
-    | st.text(max_size=8) | st.binary(max_size=8)
-)  # fmt: skip
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.binary(max_size=8)
+)
 MSGPACK = st.recursive(
     SCALARS,
     lambda inner: (
@@ -150,27 +154,77 @@ BASE = GenerationRequest(request_id="r1", model="m", prompt_tokens=[1, 2], max_t
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("seed", -1), ("seed", MAX_SEED + 1), ("seed", True), ("seed", 1.0),
-     ("temperature", "hot"), ("temperature", -0.1), ("temperature", math.nan),
-     ("temperature", math.inf), ("top_p", 0), ("top_p", 1.5), ("top_p", math.nan),
-     ("max_tokens", -1), ("max_tokens", True), ("max_tokens", 4.0), ("stop", 5), ("stop", [5]),
-     ("stop", "x"), ("prompt_tokens", []), ("prompt_tokens", [1, -1]), ("prompt_tokens", [True]),
-     ("prompt_tokens", [1.0]), ("request_id", ""), ("request_id", 7), ("model", None),
-     ("session_key", b"k"), ("adapter_id", 0), ("enqueued_at", "now"),
-     ("enqueued_at", math.nan), ("top_k", -1), ("top_k", 1.0), ("top_k", None),
-     ("min_p", 1.5), ("min_p", -0.1), ("min_p", math.nan), ("repetition_penalty", 0),
-     ("repetition_penalty", 10.5), ("repetition_penalty", math.inf),
-     ("presence_penalty", 2.5), ("presence_penalty", math.nan), ("frequency_penalty", -3),
-     ("logit_bias", [1, 2]), ("logit_bias", {"5": 1.0}), ("logit_bias", {-1: 1.0}),
-     ("logit_bias", {True: 1.0}), ("logit_bias", {5: "x"}), ("logit_bias", {5: 101.0}),
-     ("logit_bias", {5: math.nan}), ("logit_bias", {i: 1.0 for i in range(301)}),
-     ("logprobs", -1), ("logprobs", 21), ("logprobs", True), ("logprobs", 1.0),
-     ("grammar", ""), ("grammar", 5), ("grammar", b"start: /a/"), ("grammar", ["x"]),
-     ("grammar", "x" * (MAX_GRAMMAR_BYTES + 1)), ("grammar", "\u00e9" * MAX_GRAMMAR_BYTES),
-     ("group", None), ("group", 5), ("group", b"g"), ("group", "g" * (MAX_GROUP_CHARS + 1)),
-     ("prompt_logprobs", -1), ("prompt_logprobs", 21), ("prompt_logprobs", True),
-     ("echo", 1), ("echo", None), ("echo", "yes")],
-)  # fmt: skip
+    [
+        ("seed", -1),
+        ("seed", MAX_SEED + 1),
+        ("seed", True),
+        ("seed", 1.0),
+        ("temperature", "hot"),
+        ("temperature", -0.1),
+        ("temperature", math.nan),
+        ("temperature", math.inf),
+        ("top_p", 0),
+        ("top_p", 1.5),
+        ("top_p", math.nan),
+        ("max_tokens", -1),
+        ("max_tokens", True),
+        ("max_tokens", 4.0),
+        ("stop", 5),
+        ("stop", [5]),
+        ("stop", "x"),
+        ("prompt_tokens", []),
+        ("prompt_tokens", [1, -1]),
+        ("prompt_tokens", [True]),
+        ("prompt_tokens", [1.0]),
+        ("request_id", ""),
+        ("request_id", 7),
+        ("model", None),
+        ("session_key", b"k"),
+        ("adapter_id", 0),
+        ("enqueued_at", "now"),
+        ("enqueued_at", math.nan),
+        ("top_k", -1),
+        ("top_k", 1.0),
+        ("top_k", None),
+        ("min_p", 1.5),
+        ("min_p", -0.1),
+        ("min_p", math.nan),
+        ("repetition_penalty", 0),
+        ("repetition_penalty", 10.5),
+        ("repetition_penalty", math.inf),
+        ("presence_penalty", 2.5),
+        ("presence_penalty", math.nan),
+        ("frequency_penalty", -3),
+        ("logit_bias", [1, 2]),
+        ("logit_bias", {"5": 1.0}),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {True: 1.0}),
+        ("logit_bias", {5: "x"}),
+        ("logit_bias", {5: 101.0}),
+        ("logit_bias", {5: math.nan}),
+        ("logit_bias", {i: 1.0 for i in range(301)}),
+        ("logprobs", -1),
+        ("logprobs", 21),
+        ("logprobs", True),
+        ("logprobs", 1.0),
+        ("grammar", ""),
+        ("grammar", 5),
+        ("grammar", b"start: /a/"),
+        ("grammar", ["x"]),
+        ("grammar", "x" * (MAX_GRAMMAR_BYTES + 1)),
+        ("grammar", "\u00e9" * MAX_GRAMMAR_BYTES),
+        ("group", None),
+        ("group", 5),
+        ("group", b"g"),
+        ("group", "g" * (MAX_GROUP_CHARS + 1)),
+        ("prompt_logprobs", -1),
+        ("prompt_logprobs", 21),
+        ("prompt_logprobs", True),
+        ("echo", 1),
+        ("echo", None),
+        ("echo", "yes"),
+    ],
+)
 def test_each_bad_field_is_a_wire_error_naming_it(field: str, value: Any) -> None:
     wire = {**BASE.to_wire(), field: value}
     with pytest.raises(WireError, match=field):
@@ -214,10 +268,13 @@ def events_with_logprobs(draw: st.DrawFn) -> StreamEvent:
     lp = st.floats(-9999.0, 0.0)
     top = draw(st.integers(0, MAX_TOP_LOGPROBS))
     ev.logprobs = [
-        [draw(lp), draw(st.lists(st.integers(0, 2**31), min_size=top, max_size=top)),
-         draw(st.lists(lp, min_size=top, max_size=top))]
+        [
+            draw(lp),
+            draw(st.lists(st.integers(0, 2**31), min_size=top, max_size=top)),
+            draw(st.lists(lp, min_size=top, max_size=top)),
+        ]
         for _ in ev.token_ids
-    ]  # fmt: skip
+    ]
     ev.prompt_logprobs = [[draw(lp), [], []] for _ in range(draw(st.integers(0, 3)))]
     return ev
 
@@ -275,11 +332,20 @@ def test_valid_events_round_trip(ev: StreamEvent) -> None:
 
 @pytest.mark.parametrize(
     "logprobs",
-    [[[-0.5, [], []], [-0.1, [], []]], [[-0.5, [1], []]],
-     [[-0.5, [1], [math.nan]]], [[math.inf, [], []]], [[-0.5, [-1], [-1.0]]],
-     [[-0.5, [1.0], [-1.0]]], [[-0.5, []]], [[-1, [], []]], [-0.5], [[-0.5, {}, []]],
-     [[-0.5, list(range(21)), [-1.0] * 21]]],
-)  # fmt: skip
+    [
+        [[-0.5, [], []], [-0.1, [], []]],
+        [[-0.5, [1], []]],
+        [[-0.5, [1], [math.nan]]],
+        [[math.inf, [], []]],
+        [[-0.5, [-1], [-1.0]]],
+        [[-0.5, [1.0], [-1.0]]],
+        [[-0.5, []]],
+        [[-1, [], []]],
+        [-0.5],
+        [[-0.5, {}, []]],
+        [[-0.5, list(range(21)), [-1.0] * 21]],
+    ],
+)
 def test_malformed_logprobs_are_wire_errors(logprobs: list[Any]) -> None:
     # One token, so one entry is due: two, a short or mistyped entry, a NaN, a negative id...
     data = pack({"kind": "delta", "token_ids": [7], "logprobs": logprobs})
@@ -288,9 +354,16 @@ def test_malformed_logprobs_are_wire_errors(logprobs: list[Any]) -> None:
 
 
 @pytest.mark.parametrize(
-    "entries", [[[-0.5, [1], []]], [[math.nan, [], []]], [[-0.5, [-1], [-1.0]]], [-0.5],
-                [[None, [], []]], [[-0.5, list(range(21)), [-1.0] * 21]]],
-)  # fmt: skip
+    "entries",
+    [
+        [[-0.5, [1], []]],
+        [[math.nan, [], []]],
+        [[-0.5, [-1], [-1.0]]],
+        [-0.5],
+        [[None, [], []]],
+        [[-0.5, list(range(21)), [-1.0] * 21]],
+    ],
+)
 def test_malformed_prompt_logprobs_are_wire_errors(entries: list[Any]) -> None:
     data = pack({"kind": "start", "prompt_logprobs": entries})
     with pytest.raises(WireError, match="prompt_logprobs"):
@@ -322,10 +395,26 @@ def test_wire_types_name_every_field() -> None:
 # GenerationRequest's fields as the last release before `grammar`, `group`, `echo` and prompt
 # logprobs wrote and read them (a worker of that version refuses any other field).
 RELEASED_FIELDS = {
-    "adapter_id", "enqueued_at", "frequency_penalty", "logit_bias", "logprobs", "max_tokens",
-    "min_p", "model", "presence_penalty", "prompt_tokens", "repetition_penalty", "request_id",
-    "seed", "session_key", "stop", "temperature", "template_signature", "top_k", "top_p",
-}  # fmt: skip
+    "adapter_id",
+    "enqueued_at",
+    "frequency_penalty",
+    "logit_bias",
+    "logprobs",
+    "max_tokens",
+    "min_p",
+    "model",
+    "presence_penalty",
+    "prompt_tokens",
+    "repetition_penalty",
+    "request_id",
+    "seed",
+    "session_key",
+    "stop",
+    "temperature",
+    "template_signature",
+    "top_k",
+    "top_p",
+}
 
 
 def test_newer_fields_stay_off_the_wire_at_their_default() -> None:

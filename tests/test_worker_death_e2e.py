@@ -62,8 +62,11 @@ def _started_job(r: redis.Redis, seen: set[str]) -> tuple[str, str]:
 def _wait_reaped(r: redis.Redis, job_id: str, wid: str) -> None:
     """A live worker failed the dead one's job in rq, and rq no longer lists the dead worker."""
     failed = [FailedJobRegistry(q, connection=r, **KW) for q in pool_queues()]
-    wait_for(lambda: any(job_id in f.get_job_ids() for f in failed), 20,
-             "the dead worker's job failed in rq")  # fmt: skip
+    wait_for(
+        lambda: any(job_id in f.get_job_ids() for f in failed),
+        20,
+        "the dead worker's job failed in rq",
+    )
     job = Job.fetch(job_id, connection=r, **KW)
     assert liveness.WORKER_LOST_MARK in (job.latest_result().exc_string or "")
     for q in pool_queues():
@@ -83,8 +86,11 @@ def test_a_request_whose_worker_dies_before_its_first_token_is_answered_by_anoth
     model = httpx.get(f"{pool.url}/health", timeout=10).json()["model"]
     body = {"model": model, "prompt": LONG_PROMPT, "max_tokens": 8, "temperature": 0}
     box: dict[str, httpx.Response] = {}
-    thread = threading.Thread(target=lambda: box.update(
-        resp=httpx.post(f"{pool.url}/v1/completions", json=body, timeout=120)))  # fmt: skip
+    thread = threading.Thread(
+        target=lambda: box.update(
+            resp=httpx.post(f"{pool.url}/v1/completions", json=body, timeout=120)
+        )
+    )
     thread.start()
     job_id, wid = _started_job(r, set())
     assert not any(  # it holds the request, and no token has come out yet
@@ -111,8 +117,13 @@ def test_a_request_whose_worker_dies_before_its_first_token_is_answered_by_anoth
 def test_a_killed_worker_fails_its_streams_within_seconds(pool: Any) -> None:
     r = redis.Redis.from_url(pool.redis_url)
     health = httpx.get(f"{pool.url}/health", timeout=10).json()
-    body = {"model": health["model"], "prompt": "Once upon a time", "max_tokens": 2000,
-            "temperature": 0, "stream": True}  # fmt: skip
+    body = {
+        "model": health["model"],
+        "prompt": "Once upon a time",
+        "max_tokens": 2000,
+        "temperature": 0,
+        "stream": True,
+    }
     chunks: list[dict] = []
     seen = {
         j for q in pool_queues() for j in StartedJobRegistry(q, connection=r, **KW).get_job_ids()

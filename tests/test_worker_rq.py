@@ -49,8 +49,13 @@ def test_rq_calls_the_worker_relies_on_keep_their_signatures() -> None:
     def params(fn: object) -> set[str]:
         return set(inspect.signature(fn).parameters)  # type: ignore[arg-type]
 
-    stamps = {"worker_name", "pipeline", "execution_id", "execution_started_at",
-              "execution_ended_at"}  # fmt: skip
+    stamps = {
+        "worker_name",
+        "pipeline",
+        "execution_id",
+        "execution_started_at",
+        "execution_ended_at",
+    }
     assert stamps | {"job", "type", "ttl", "return_value"} <= params(Result.create)
     assert stamps | {"job", "ttl", "exc_string"} <= params(Result.create_failure)
     assert {"pipeline", "include_meta", "include_result"} <= params(Job.save)

@@ -178,8 +178,9 @@ class WorkerLoop:
     def _reject(taken: TakenJob, error: str, writes: StepWrites) -> None:
         event = StreamEvent(kind="error", error=error, error_type="invalid_request_error")
         writes.streams.append((taken, [event.to_wire()]))
-        ended = JobEnd(taken, JobOutcome.FAILED, error=error,
-                       failure_ttl_s=keys.MALFORMED_JOB_TTL_S)  # fmt: skip
+        ended = JobEnd(
+            taken, JobOutcome.FAILED, error=error, failure_ttl_s=keys.MALFORMED_JOB_TTL_S
+        )
         writes.ended.append(ended)
 
     # -- reads -----------------------------------------------------------------------------
@@ -214,8 +215,10 @@ class WorkerLoop:
         if self._index_full_due:
             self._index_full_due = False
             writes.index_full = self.engine.held_blocks()
-            log.info("block index lost (Redis restart or flush): writing its %d block(s) again",
-                     len(writes.index_full))  # fmt: skip
+            log.info(
+                "block index lost (Redis restart or flush): writing its %d block(s) again",
+                len(writes.index_full),
+            )
         running = self.engine.running
         writes.busy = bool(running)
         writes.watched = [req.id for req in running]
@@ -257,13 +260,17 @@ class WorkerLoop:
         dropped = StepResult()
         for req in running:
             dropped.merge(self.engine.cancel(req.id))
-        log.warning("worker %s was found dead by a peer (it was stopped or stuck): dropped its "
-                    "%d running request(s), registering again", self.presence.worker_id,
-                    len(running))  # fmt: skip
+        log.warning(
+            "worker %s was found dead by a peer (it was stopped or stuck): dropped its "
+            "%d running request(s), registering again",
+            self.presence.worker_id,
+            len(running),
+        )
         self.presence.arrive(self._gauges())
         self._index_full_due = True  # arrive wrote an empty block set: fill it
-        return StepResult(counters=dropped.counters, index=dropped.index,
-                          last_reject=dropped.last_reject)  # fmt: skip
+        return StepResult(
+            counters=dropped.counters, index=dropped.index, last_reject=dropped.last_reject
+        )
 
     def _fault_stall(self) -> None:
         """The FAULT_LOOP_STALL_ENV hook (tests only): one long pass, on request."""
@@ -283,8 +290,9 @@ class WorkerLoop:
         """Redis went away (restart, network): drop what runs (its streams and jobs may be gone
         with Redis), wait for Redis with backoff, register again and go on serving. The model
         and the prompt cache stay loaded; a step's counter deltas may be lost."""
-        log.warning("lost Redis (%s): dropping %d running request(s), reconnecting", exc,
-                    self.engine.active)  # fmt: skip
+        log.warning(
+            "lost Redis (%s): dropping %d running request(s), reconnecting", exc, self.engine.active
+        )
         self.outbox.abandon()
         dropped = self.engine.fail_all("the worker lost Redis mid-request", REDIS_UNAVAILABLE)
         delay = RECONNECT_MIN_S
@@ -325,8 +333,9 @@ class WorkerLoop:
         try:
             self.outbox.settle()
             if self.engine.active:  # a cold stop: no client may wait on a stopped worker
-                self._send(self.engine.fail_all("worker stopped before the request finished"),
-                           StepWrites())  # fmt: skip
+                self._send(
+                    self.engine.fail_all("worker stopped before the request finished"), StepWrites()
+                )
                 self.outbox.settle()
             self.presence.leave()
         except redis.RedisError as exc:

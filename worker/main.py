@@ -42,8 +42,12 @@ def run(settings: Settings) -> int:
 
     loop.install_signal_handlers()
     freeze_startup_heap(log)
-    log.info("worker %s ready: %s; listening on %s", loop.presence.worker_id, loop.banner,
-             ", ".join(loop.intake.queue_keys))  # fmt: skip
+    log.info(
+        "worker %s ready: %s; listening on %s",
+        loop.presence.worker_id,
+        loop.banner,
+        ", ".join(loop.intake.queue_keys),
+    )
     try:
         loop.run()
     except WorkerIdInUse as exc:
@@ -101,16 +105,25 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
     my_canary = routing_canary(tokenizer, facts.model_id, settings)
     check_against_routers(conn, facts.model_id, my_canary)
     info = {
-        "worker_id": worker_id, "model": facts.model_id, "pid": str(os.getpid()),
-        "host": socket.gethostname(), "started_at": f"{time.time():.3f}",
+        "worker_id": worker_id,
+        "model": facts.model_id,
+        "pid": str(os.getpid()),
+        "host": socket.gethostname(),
+        "started_at": f"{time.time():.3f}",
         "batch_size": str(configured_batch),
-        "batch_invariant": batching.flag, "batch_limit": str(settings.worker.batch_size),
+        "batch_invariant": batching.flag,
+        "batch_limit": str(settings.worker.batch_size),
         "storage_modes": settings_gauges.pop("storage_modes"),
         "canary": my_canary,
         "model_dir": str(model_dir.resolve()),
-    }  # fmt: skip
-    presence = WorkerPresence(conn, worker_id, own_queues(conn, worker_id, facts.model_id), info,
-                              stuck_after_s=settings.worker.stuck_after_s)  # fmt: skip
+    }
+    presence = WorkerPresence(
+        conn,
+        worker_id,
+        own_queues(conn, worker_id, facts.model_id),
+        info,
+        stuck_after_s=settings.worker.stuck_after_s,
+    )
     intake = RqIntake(presence)
     engine = Engine(
         model,
@@ -147,9 +160,11 @@ def _banner(
     size it serves at and whether batching was found to change tokens, Redis."""
     gflops = f" {blas_info.gflops:.0f} GFLOPS" if getattr(blas_info, "gflops", None) else ""
     cache = gauges.get("storage_mode") or "off"
-    return (f"model {model_id}, BLAS {blas_info.backend}{gflops}, prompt cache {cache} "
-            f"({gauges.get('cacheability') or '-'}), batch {settings.worker.batch_size} "
-            f"({batching.summary}), redis {masked_url(settings.redis.url)}")  # fmt: skip
+    return (
+        f"model {model_id}, BLAS {blas_info.backend}{gflops}, prompt cache {cache} "
+        f"({gauges.get('cacheability') or '-'}), batch {settings.worker.batch_size} "
+        f"({batching.summary}), redis {masked_url(settings.redis.url)}"
+    )
 
 
 def routing_canary(tokenizer: Any, model_id: str, settings: Settings) -> str:
@@ -176,8 +191,13 @@ def _load(
 
     t0 = time.perf_counter()
     model, tokenizer = load(model_dir, model_config)
-    log.info("worker %s loaded model %s from %s in %.1fs", worker_id, model_id, model_dir,
-             time.perf_counter() - t0)  # fmt: skip
+    log.info(
+        "worker %s loaded model %s from %s in %.1fs",
+        worker_id,
+        model_id,
+        model_dir,
+        time.perf_counter() - t0,
+    )
     return model, tokenizer
 
 
@@ -193,9 +213,14 @@ def _batch_invariance(
         log.info("batch invariance: not checked (worker.batch_invariance_check is off)")
         return BatchInvariance(w.batch_size, None, configured=w.batch_size)
     verdict = check_batch_invariance(model, w, vocab_size)
-    log.info("worker %s batch invariance: %s; serving at batch size %d of %d (checked in %.2fs)",
-             worker_id, verdict.reason, verdict.limit, w.batch_size,
-             verdict.seconds)  # fmt: skip
+    log.info(
+        "worker %s batch invariance: %s; serving at batch size %d of %d (checked in %.2fs)",
+        worker_id,
+        verdict.reason,
+        verdict.limit,
+        w.batch_size,
+        verdict.seconds,
+    )
     return verdict
 
 
@@ -218,20 +243,28 @@ def _prompt_cache(
     pc = settings.prompt_cache
     cacheability = check_model(model)
     storage = resolve_storage_mode(pc.storage, settings.worker.batch_size, cacheability)
-    log.info("prompt cache: model cache is %s (%s); storage mode %s; cache %s",
-             cacheability.kind, cacheability.reason, storage,
-             "enabled" if pc.enabled else "disabled")  # fmt: skip
+    log.info(
+        "prompt cache: model cache is %s (%s); storage mode %s; cache %s",
+        cacheability.kind,
+        cacheability.reason,
+        storage,
+        "enabled" if pc.enabled else "disabled",
+    )
     cache = None
     if storage != "none":
         cache = PromptCache(pc, model_id=model_id, storage_mode=storage, worker_id=worker_id)
     reported = {
         "enabled": "1" if (pc.enabled and cache is not None) else "0",
         "apc_enabled": "1" if pc.apc_enabled else "0",
-        "block_size": pc.apc_block_size, "hash": pc.apc_hash,
-        "paged_block_size": 0, "storage_mode": storage, "cacheability": cacheability.kind,
+        "block_size": pc.apc_block_size,
+        "hash": pc.apc_hash,
+        "paged_block_size": 0,
+        "storage_mode": storage,
+        "cacheability": cacheability.kind,
         "storage_modes": ",".join(cacheability.storage_modes),
-        "capacity_bytes": pc.capacity_bytes, "max_entries": pc.max_entries,
+        "capacity_bytes": pc.capacity_bytes,
+        "max_entries": pc.max_entries,
         "snapshot_capacity_bytes": pc.snapshot_capacity_bytes,
         "snapshot_max_entries": pc.snapshot_max_entries,
-    }  # fmt: skip
+    }
     return cache, reported

@@ -126,8 +126,12 @@ class _Progress:
                 self.logprobs.append(TokenLogprob(prompt[0], None, None, 0))
                 self.logprobs.extend(from_event(prompt[1:], entries, 0))
             else:
-                log.warning("request %s: %d prompt logprobs for %d prompt tokens",
-                            self.gen.request_id, len(entries), len(prompt))  # fmt: skip
+                log.warning(
+                    "request %s: %d prompt logprobs for %d prompt tokens",
+                    self.gen.request_id,
+                    len(entries),
+                    len(prompt),
+                )
         if again:  # a retry: the first attempt's start sent them
             self.logprobs_sent = len(self.logprobs)
             return "", []
@@ -261,8 +265,9 @@ async def admit_and_submit(
             where = _place(state, group[0], group[1:])
             if isinstance(where, Admission):
                 for done, _ in placed:
-                    state.dispatcher.ledger.release_sync(done.request_id,
-                                                         state.dispatcher.sync_redis)  # fmt: skip
+                    state.dispatcher.ledger.release_sync(
+                        done.request_id, state.dispatcher.sync_redis
+                    )
                 return where
             placed += [(gen, where) for gen in group]
         enqueued = 0
@@ -328,10 +333,16 @@ def _place(
             message=f"No live worker serves '{req.model}' now; retry shortly.",
         )
     observe_placement(placed)
-    log.info("route request=%s worker=%s outcome=%s predicted_cached=%d prompt=%d cost=%d "
-             "choices=%d", req.request_id, placed.worker_id or "(shared queue)", placed.outcome,
-             placed.predicted_tokens, len(req.prompt_tokens), placed.cost,
-             1 + len(siblings))  # fmt: skip
+    log.info(
+        "route request=%s worker=%s outcome=%s predicted_cached=%d prompt=%d cost=%d choices=%d",
+        req.request_id,
+        placed.worker_id or "(shared queue)",
+        placed.outcome,
+        placed.predicted_tokens,
+        len(req.prompt_tokens),
+        placed.cost,
+        1 + len(siblings),
+    )
     return placed
 
 
@@ -350,8 +361,9 @@ async def respond(
     `echo`: completions' echo, each choice's prompt text."""
     echoes: list[str | None] = list(echo) if echo is not None else [None] * len(gens)
     if len(gens) > 1:
-        return await _respond_many(request, state, gens, fmt, stream, include_usage, tool_streams,
-                                   echoes)  # fmt: skip
+        return await _respond_many(
+            request, state, gens, fmt, stream, include_usage, tool_streams, echoes
+        )
     gen = gens[0]
     renderer = None
     if gen.logprobs is not None:
@@ -375,9 +387,12 @@ async def respond(
     return StreamingResponse(
         _chunks(first, events, fmt, progress, include_usage, renderer),
         media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                 **_served_by(first.worker_id if first.kind == "start" else "")},
-    )  # fmt: skip
+        headers={
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+            **_served_by(first.worker_id if first.kind == "start" else ""),
+        },
+    )
 
 
 async def _respond_many(
@@ -435,9 +450,12 @@ async def _respond_many(
     return StreamingResponse(
         _merged(parts, fmt, include_usage, renderer),
         media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                 **_served_by(firsts[0].worker_id if firsts[0].kind == "start" else "")},
-    )  # fmt: skip
+        headers={
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+            **_served_by(firsts[0].worker_id if firsts[0].kind == "start" else ""),
+        },
+    )
 
 
 async def _merged(
@@ -449,11 +467,13 @@ async def _merged(
     """The choices' chunks as they come, then one usage chunk and one [DONE]."""
     queue: asyncio.Queue[bytes | None] = asyncio.Queue()
 
-    async def pump(i: int, first: StreamEvent, events: AsyncIterator[StreamEvent],
-                   progress: _Progress) -> None:  # fmt: skip
+    async def pump(
+        i: int, first: StreamEvent, events: AsyncIterator[StreamEvent], progress: _Progress
+    ) -> None:
         try:
-            async for data in _chunks(first, events, fmt, progress, include_usage, renderer,
-                                      index=i, final=False):  # fmt: skip
+            async for data in _chunks(
+                first, events, fmt, progress, include_usage, renderer, index=i, final=False
+            ):
                 await queue.put(data)
         finally:
             await queue.put(None)
@@ -492,8 +512,13 @@ def _logprob_renderer(state: RouterState, model: str, chat: bool) -> LogprobRend
     """Blocking (the first request with logprobs builds its tokenizer's token table)."""
     ctx = state.catalog.get(model)  # admission loaded it: found without a Redis read
     if ctx is None:
-        raise APIError(503, f"No live worker serves '{model}' now; retry shortly.",
-                       "server_error", None, "no_live_worker")  # fmt: skip
+        raise APIError(
+            503,
+            f"No live worker serves '{model}' now; retry shortly.",
+            "server_error",
+            None,
+            "no_live_worker",
+        )
     return LogprobRenderer(token_table(ctx.tokenizer), chat)
 
 

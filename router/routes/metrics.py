@@ -36,8 +36,9 @@ async def metrics(state: StateDep) -> Response:
     workers = await read_pool(state.pool_script)
     families = pool_families(workers)
     depths = await queue_depths(state, [w for w in workers if w.alive])
-    families.append(GaugeMetricFamily(QUEUE_DEPTH, "Jobs waiting in the pool's rq queues.",
-                                      value=sum(depths)))  # fmt: skip
+    families.append(
+        GaugeMetricFamily(QUEUE_DEPTH, "Jobs waiting in the pool's rq queues.", value=sum(depths))
+    )
     # Creating series and reading the per-process files is file I/O: off the event loop.
     body = await anyio.to_thread.run_sync(
         _scrape, state.settings.multiproc_dir, workers, PoolCollector(families)

@@ -37,5 +37,10 @@ async def get_model(model_id: str, state: StateDep) -> dict[str, Any]:
     for model in await anyio.to_thread.run_sync(_served, state):
         if model["id"] == model_id:
             return model
-    raise APIError(404, f"The model {quoted(model_id)} does not exist.", "invalid_request_error",
-                   "model", "model_not_found")  # fmt: skip
+    raise APIError(
+        404,
+        f"The model {quoted(model_id)} does not exist.",
+        "invalid_request_error",
+        "model",
+        "model_not_found",
+    )

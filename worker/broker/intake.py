@@ -198,9 +198,12 @@ class RqIntake:
         unknown status) is failed here and counts as nothing taken; only Redis errors raise."""
         try:
             return Queue.dequeue_any(
-                queues or self.queues, timeout, connection=self.connection,
-                job_class=PoolJob, serializer=MsgpackSerializer,
-            )  # fmt: skip
+                queues or self.queues,
+                timeout,
+                connection=self.connection,
+                job_class=PoolJob,
+                serializer=MsgpackSerializer,
+            )
         except DequeueTimeout:
             return None
         except redis.RedisError:
@@ -221,8 +224,11 @@ class RqIntake:
             for job, queue in taken:
                 pipe.lrem(queue.intermediate_queue_key, 0, job.id)
                 if job.get_status(refresh=False) != JobStatus.QUEUED:
-                    log.warning("job %s is %s, not queued: a duplicate entry, dropped", job.id,
-                                job.get_status(refresh=False))  # fmt: skip
+                    log.warning(
+                        "job %s is %s, not queued: a duplicate entry, dropped",
+                        job.id,
+                        job.get_status(refresh=False),
+                    )
                     continue
                 try:
                     execution = Execution.create(
@@ -268,11 +274,18 @@ class RqIntake:
         p.expire(job_key, ttl)
         # The reason as rq records a failure (what `latest_result()`, rq-dashboard and the router
         # read), written without loading the job rq cannot load.
-        failure = Result(job_id, Result.Type.FAILED, self.connection, exc_string=reason,
-                         worker_name=self.name, serializer=MsgpackSerializer)  # fmt: skip
+        failure = Result(
+            job_id,
+            Result.Type.FAILED,
+            self.connection,
+            exc_string=reason,
+            worker_name=self.name,
+            serializer=MsgpackSerializer,
+        )
         failure.save(ttl, pipeline=p)
-        registry = FailedJobRegistry(queue.name, connection=self.connection,
-                                     serializer=MsgpackSerializer)  # fmt: skip
+        registry = FailedJobRegistry(
+            queue.name, connection=self.connection, serializer=MsgpackSerializer
+        )
         p.zadd(registry.key, {job_id: current_timestamp() + ttl})
         p.lrem(queue.intermediate_queue_key, 0, job_id)
         event = StreamEvent(kind="error", error=reason, error_type="invalid_request_error")

@@ -65,9 +65,11 @@ class PeerQueues:
     def waiting(self) -> list[Waiting]:
         """Peers' queues with jobs this worker may take, dead peers' first."""
         peers = read_roster(
-            self.r, ("model",), lambda pipe, wid: pipe.lrange(_queue_key(wid), 0, PEEK - 1),
+            self.r,
+            ("model",),
+            lambda pipe, wid: pipe.lrange(_queue_key(wid), 0, PEEK - 1),
             skip=self.worker_id,
-        )  # fmt: skip
+        )
         found: list[Waiting] = []
         for peer in peers:
             ids = [j.decode() for j in peer.extra[0]]

@@ -91,8 +91,11 @@ class WorkerPresence(RqWorkerRecord):
         self.epoch = secrets.token_hex(6)
         self.stuck_after_s = stuck_after_s
         self.info = {
-            **info, "rq_name": self.name, "epoch": self.epoch, "stuck_after_s": f"{stuck_after_s:g}"
-        }  # fmt: skip
+            **info,
+            "rq_name": self.name,
+            "epoch": self.epoch,
+            "stuck_after_s": f"{stuck_after_s:g}",
+        }
         self._k_info = keys.worker_info(worker_id)
         self._busy = False
         self._next_beat = 0.0
@@ -275,21 +278,29 @@ class Heartbeat(threading.Thread):
         wid, stuck = self.presence.worker_id, self.presence.stuck_after_s
         if age >= stuck:
             if state != "stuck":
-                log.error("worker %s: its loop has not progressed for %.0fs (worker.stuck_after_s "
-                          "%gs): heartbeat stopped, so peers find it dead and fail its jobs",
-                          wid, age, stuck)  # fmt: skip
+                log.error(
+                    "worker %s: its loop has not progressed for %.0fs (worker.stuck_after_s "
+                    "%gs): heartbeat stopped, so peers find it dead and fail its jobs",
+                    wid,
+                    age,
+                    stuck,
+                )
             return "stuck"
         if state == "stuck":
             log.warning("worker %s: its loop goes on after %.0fs; heartbeat again", wid, age)
         if age >= DEAD_AFTER_S and state == "ok":
-            log.warning("worker %s: one pass has held its loop for %.0fs; heartbeat goes on, "
-                        "its jobs are lost only past %gs", wid, age, stuck)  # fmt: skip
+            log.warning(
+                "worker %s: one pass has held its loop for %.0fs; heartbeat goes on, "
+                "its jobs are lost only past %gs",
+                wid,
+                age,
+                stuck,
+            )
             state = "slow"
         elif age < DEAD_AFTER_S:
             state = "ok"
         try:
-            reaped = script(keys=self._keys, args=[keys.LIVENESS_TTL_S, f"{age:.1f}"],
-                            client=conn)  # fmt: skip
+            reaped = script(keys=self._keys, args=[keys.LIVENESS_TTL_S, f"{age:.1f}"], client=conn)
         except redis.RedisError as exc:  # the loop finds a lost Redis itself and reconnects
             log.debug("heartbeat of %s failed: %s", wid, exc)
             return state

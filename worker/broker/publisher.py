@@ -56,9 +56,11 @@ class PublishResult:
     def merge(self, later: PublishResult) -> PublishResult:
         """Two publishes' reads as one (nothing read may be lost); `queued` is the later one."""
         return PublishResult(
-            [*self.cancelled, *later.cancelled], [*self.commands, *later.commands],
-            later.queued, self.index_lost or later.index_lost,
-        )  # fmt: skip
+            [*self.cancelled, *later.cancelled],
+            [*self.commands, *later.commands],
+            later.queued,
+            self.index_lost or later.index_lost,
+        )
 
 
 class Publisher:

@@ -60,8 +60,11 @@ class Reaper:
         """One pass; the ids of the jobs it failed. A pass counts towards a peer's death only
         REAP_INTERVAL_S after the last one that did: passes run back to back after a Redis
         stall, when every heartbeat looks old until the peers write again."""
-        peers = read_roster(self.r, per_worker=lambda pipe, wid: pipe.exists(
-            keys.worker_reaped(wid)), skip=self.presence.worker_id)  # fmt: skip
+        peers = read_roster(
+            self.r,
+            per_worker=lambda pipe, wid: pipe.exists(keys.worker_reaped(wid)),
+            skip=self.presence.worker_id,
+        )
         failed: list[str] = []
         now = self.clock()
         for peer in peers:
@@ -87,8 +90,11 @@ class Reaper:
         ended = self._running_on(keys.rq_worker_name(wid), wid)
         if ended:
             self._end(ended, f"{WORKER_LOST_MARK} worker {wid} restarted while running this job")
-            log.warning("worker %s restarted: failed %d job(s) its last process left running",
-                        wid, len(ended))  # fmt: skip
+            log.warning(
+                "worker %s restarted: failed %d job(s) its last process left running",
+                wid,
+                len(ended),
+            )
         return [taken.id for taken in ended]
 
     def _end(self, ended: list[TakenJob], error: str) -> None:
@@ -99,8 +105,7 @@ class Reaper:
 
     def _claim(self, wid: str, since: str) -> bool:
         verdict = reaped_value(self.presence.worker_id, since)
-        return bool(self.r.set(keys.worker_reaped(wid), verdict, nx=True,
-                               ex=keys.REAPED_TTL_S))  # fmt: skip
+        return bool(self.r.set(keys.worker_reaped(wid), verdict, nx=True, ex=keys.REAPED_TTL_S))
 
     def _reap(self, wid: str, since: str) -> list[str]:
         name = keys.rq_worker_name(wid)
@@ -118,8 +123,9 @@ class Reaper:
         (as far as this worker's own model's) and in the dead worker's own queue."""
         found: list[TakenJob] = []
         for queue_name in (keys.model_queue_name(self.model_id), keys.worker_queue_name(wid)):
-            registry = StartedJobRegistry(queue_name, connection=self.r,
-                                          serializer=MsgpackSerializer)  # fmt: skip
+            registry = StartedJobRegistry(
+                queue_name, connection=self.r, serializer=MsgpackSerializer
+            )
             for job_id, execution_id in registry.get_job_and_execution_ids(cleanup=False):
                 try:
                     execution = Execution.fetch(execution_id, job_id, self.r)

@@ -81,15 +81,26 @@ class PromptStore:
         # resume_points: any block of a main entry, the end of a snapshot or checkpoint).
         self.index = BlockIndexLog()
         self.main = Shelf(
-            Limits(config.capacity_bytes, config.max_entries, config.ttl_s,
-                   config.min_prefix_tokens),
-            MAIN_COUNTERS, counters, hasher, self.index,
-        )  # fmt: skip
+            Limits(
+                config.capacity_bytes, config.max_entries, config.ttl_s, config.min_prefix_tokens
+            ),
+            MAIN_COUNTERS,
+            counters,
+            hasher,
+            self.index,
+        )
         self.snapshots = Shelf(
-            Limits(config.snapshot_capacity_bytes, config.snapshot_max_entries,
-                   config.snapshot_ttl_s, config.min_prefix_tokens),
-            SNAPSHOT_COUNTERS, counters, hasher, self.index,
-        )  # fmt: skip
+            Limits(
+                config.snapshot_capacity_bytes,
+                config.snapshot_max_entries,
+                config.snapshot_ttl_s,
+                config.min_prefix_tokens,
+            ),
+            SNAPSHOT_COUNTERS,
+            counters,
+            hasher,
+            self.index,
+        )
         self.pool: BlockPool | None = None
         if mode == PAGED:
             self.pool = BlockPool(

@@ -21,21 +21,31 @@ class Tracer:
     def store(self, seq_id: str | None, matched_len: int, snapshot: bool = False) -> None:
         _log.info(
             "prompt-cache store%s apc_event=store seq_id=%s matched_len=%d worker=%s",
-            " (snapshot)" if snapshot else "", seq_id, matched_len, self.worker_id,
-        )  # fmt: skip
+            " (snapshot)" if snapshot else "",
+            seq_id,
+            matched_len,
+            self.worker_id,
+        )
 
     def adopt(self, seq_id: str, matched_len: int, total_tokens: int, snapshot: bool) -> None:
         _log.info(
             "prompt-cache adopt%s apc_event=adopt seq_id=%s matched_len=%d total_tokens=%d "
             "worker=%s",
-            " (snapshot)" if snapshot else "", seq_id, matched_len, total_tokens, self.worker_id,
-        )  # fmt: skip
+            " (snapshot)" if snapshot else "",
+            seq_id,
+            matched_len,
+            total_tokens,
+            self.worker_id,
+        )
 
     def reject(self, reason: RejectReason, seq_id: str | None, context_len: int) -> None:
         _log.info(
             "prompt-cache reject apc_event=reject reason=%s seq_id=%s context_len=%d worker=%s",
-            reason.value, seq_id, context_len, self.worker_id,
-        )  # fmt: skip
+            reason.value,
+            seq_id,
+            context_len,
+            self.worker_id,
+        )
 
 
 class NullTracer(Tracer):
