@@ -21,7 +21,9 @@ from collections.abc import Callable
 import redis
 from rq.executions import Execution
 from rq.job import Job, JobStatus
+from rq.queue import Queue
 from rq.registry import StartedJobRegistry
+from rq.results import Result
 
 from shared import keys
 from shared.liveness import (
@@ -32,7 +34,7 @@ from shared.liveness import (
     reaped_value,
 )
 from shared.wire import MsgpackSerializer
-from worker.broker.intake import JobEnd, JobOutcome, RqIntake, TakenJob
+from worker.broker.intake import FAILURE_TTL_S, JobEnd, JobOutcome, RqIntake, TakenJob
 from worker.broker.presence import RqWorkerRecord, WorkerPresence
 
 log = logging.getLogger("mlxcel.worker.reaper")
@@ -88,6 +90,7 @@ class Reaper:
         crash, then a restart faster than peers could see the death), before serving."""
         wid = self.presence.worker_id
         ended = self._running_on(keys.rq_worker_name(wid), wid)
+        self._fail_in_transit(wid, "restarted")
         if ended:
             self._end(ended, f"{WORKER_LOST_MARK} worker {wid} restarted while running this job")
             log.warning(
@@ -113,6 +116,7 @@ class Reaper:
         ended = self._running_on(name, wid)
         if ended:
             self._end(ended, error)
+        self._fail_in_transit(wid, since)
         self._retire(name)
         self._forget_index(wid)
         log.warning("worker %s is dead (%s): failed its %d running job(s)", wid, since, len(ended))
@@ -139,6 +143,40 @@ class Reaper:
                 if job.get_status(refresh=False) == JobStatus.STARTED:
                     found.append(TakenJob(job, execution, None))
         return found
+
+    def _fail_in_transit(self, wid: str, since: str) -> int:
+        """Jobs the lost worker had taken from its own queue but not started yet (rq's
+        intermediate list holds them between a dequeue and the start pipeline, a burst's
+        gathering window): failed as lost, so each router runs its request again under a new
+        id, as for a started job, instead of waiting on a job nobody holds. A job started
+        meanwhile (a peer taking the queue over) is left to its starter."""
+        queue = Queue(keys.worker_queue_name(wid), connection=self.r, serializer=MsgpackSerializer)
+        error = (
+            f"{WORKER_LOST_MARK} worker {wid} took this job and was lost before it ran ({since})"
+        )
+        failed = 0
+        with self.r.pipeline(transaction=False) as pipe:
+            for raw in self.r.lrange(queue.intermediate_queue_key, 0, -1):
+                job_id = raw.decode()
+                pipe.lrem(queue.intermediate_queue_key, 0, job_id)
+                try:
+                    job = Job.fetch(job_id, connection=self.r, serializer=MsgpackSerializer)
+                except redis.RedisError:
+                    raise
+                except Exception:  # gone, or a record rq cannot load: nothing waits on it here
+                    continue
+                if job.get_status(refresh=False) != JobStatus.QUEUED:
+                    continue
+                job.set_status(JobStatus.FAILED, pipeline=pipe)
+                job.failed_job_registry.add(job, ttl=FAILURE_TTL_S, exc_string=error, pipeline=pipe)
+                Result.create_failure(
+                    job, FAILURE_TTL_S, error, worker_name=keys.rq_worker_name(wid), pipeline=pipe
+                )
+                failed += 1
+            pipe.execute()
+        if failed:
+            log.warning("worker %s: failed %d job(s) it had taken but not started", wid, failed)
+        return failed
 
     def _forget_index(self, wid: str) -> None:
         """The dead worker's routing entries go (routers stopped counting them when its
