@@ -671,6 +671,19 @@ def print_request_faults(run: Run) -> bool:
         others_failed += failed
         longest = max(longest, gap)
         rows.append([f.name, f.answer[:48], len(during), failed, f"{gap * 1000:.0f}"])
+    steady = [o.max_gap for o in run.outcomes if o.stream and phase_of(o, run.faults) == "steady"]
+    steady.sort()
+    if steady:  # what a stream waits between two chunks under this load with no fault at all
+        p99 = steady[min(len(steady) - 1, int(len(steady) * 0.99))]
+        rows.append(
+            [
+                "(steady, no fault)",
+                f"p99 {p99 * 1000:.0f} ms",
+                len(steady),
+                0,
+                f"{steady[-1] * 1000:.0f}",
+            ]
+        )
     print()
     headers = ["request fault", "its answer", "others", "others failed", "longest gap ms"]
     print(table(headers, rows))
