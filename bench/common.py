@@ -17,7 +17,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -363,14 +363,3 @@ def _jsonable(value: Any) -> Any:
     if hasattr(value, "__dataclass_fields__"):
         return asdict(value)
     return str(value)
-
-
-@dataclass
-class Timer:
-    """Wall time of a block, for the progress lines on stderr."""
-
-    label: str
-    start: float = field(default_factory=time.perf_counter)
-
-    def done(self) -> None:
-        print(f"  [{self.label}: {time.perf_counter() - self.start:.1f}s]", file=sys.stderr)

@@ -15,7 +15,7 @@ import hashlib
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 HASH_ALGOS = ("sha256", "sha1", "blake2b")
 # Bytes of a block hash the routing index stores: 2**64 values keep a collision among a worker's
@@ -67,14 +67,6 @@ def index_members(hashes: Iterable[bytes]) -> list[bytes]:
 def template_signature(template: str) -> str:
     """Short stable id of the chat template text actually used (prompt-cache isolation)."""
     return hashlib.sha256(template.encode()).hexdigest()[:16]
-
-
-class ChatTokenizer(Protocol):
-    """What the canary needs of a Hugging Face tokenizer (router: transformers'; worker: the one
-    mlx-lm wraps)."""
-
-    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
-    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
 
 
 CANARY_MESSAGES = [

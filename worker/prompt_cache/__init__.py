@@ -2,7 +2,7 @@
 
 from worker.prompt_cache.cacheability import Cacheability, check_model, resolve_storage_mode
 from worker.prompt_cache.counters import CacheCounters
-from worker.prompt_cache.keys import CacheNamespace, session_key
+from worker.prompt_cache.keys import CacheNamespace
 from worker.prompt_cache.policy import AdoptResult, PromptCache, ResetResult
 
 __all__ = [
@@ -14,5 +14,4 @@ __all__ = [
     "ResetResult",
     "check_model",
     "resolve_storage_mode",
-    "session_key",
 ]

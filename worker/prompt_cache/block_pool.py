@@ -172,9 +172,6 @@ class BlockPool:
         if lease.generation == self._generation:
             self.free(lease.block_ids)
 
-    def unique_blocks(self, block_ids: list[list[int]]) -> int:
-        return len({b for ids in block_ids for b in ids})
-
     def counts(self) -> PoolCounts:
         allocated = self._next_id
         budget = self.budget

@@ -32,8 +32,6 @@ class StoredKV(Protocol):
     @property
     def num_tokens(self) -> int: ...
 
-    def can_trim(self) -> bool: ...
-
     def is_empty(self) -> bool: ...
 
     def materialise(self, n_tokens: int) -> list[Any]: ...
@@ -95,9 +93,6 @@ class DenseEntry:
     def num_tokens(self) -> int:
         return len(self.tokens)
 
-    def can_trim(self) -> bool:
-        return all(c.is_trimmable() for c in self.layers)
-
     def is_empty(self) -> bool:
         return not self.layers or any(c.keys is None for c in self.layers)
 
@@ -134,9 +129,6 @@ class PagedEntry:
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
-
-    def can_trim(self) -> bool:
-        return True
 
     def is_empty(self) -> bool:
         return not self.block_ids
@@ -192,9 +184,6 @@ class SnapshotEntry:
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
-
-    def can_trim(self) -> bool:
-        return False
 
     def is_empty(self) -> bool:
         return not self.states or self._nbytes == 0
