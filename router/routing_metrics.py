@@ -5,7 +5,7 @@ router, are in Redis: `mlxcel:routing:stats`, served as the `routing` section of
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from shared.metrics import (
     ROUTING_DECISIONS,
@@ -14,11 +14,22 @@ from shared.metrics import (
     ROUTING_REUSED_TOTAL,
 )
 
-if TYPE_CHECKING:
-    from router.admission_ledger import Placement
+
+class Placed(Protocol):
+    """What a placement's metrics read (`router.admission_ledger.Placement` has it): typed
+    here, so this module does not import the ledger that imports it."""
+
+    @property
+    def outcome(self) -> str: ...
+
+    @property
+    def worker_id(self) -> str: ...
+
+    @property
+    def predicted_tokens(self) -> int: ...
 
 
-def observe_placement(placed: Placement) -> None:
+def observe_placement(placed: Placed) -> None:
     ROUTING_DECISIONS.labels(placed.outcome).inc()
     if placed.worker_id:
         ROUTING_PREDICTED_TOKENS.observe(placed.predicted_tokens)
