@@ -1,4 +1,5 @@
-# mlxcel-pool: `make run` starts a local pool, `make test` runs the test suite.
+# mlxcel-pool: `make run` starts a local pool, `make test` runs the test suite (`make test-fast`: the
+# tests that start no process).
 # The install step is stamped on pyproject.toml, so a second `make` skips pip entirely.
 
 PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
@@ -6,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mlxcel-installed
 
-.PHONY: run test lint bench install openblas
+.PHONY: run test test-fast lint bench install openblas
 
 run: install
 	$(VENV)/bin/mlxcel-pool up $(UP_ARGS)
@@ -15,6 +16,10 @@ test: install
 	@rc=0; $(PY) -m pytest -q $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; \
 	exit $$rc
+
+# The tests that start no process (no redis-server, worker, router or pool): seconds, not minutes.
+test-fast: install
+	$(PY) -m pytest -q -m "not pool" $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .

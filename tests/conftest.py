@@ -21,6 +21,18 @@ REPO = Path(__file__).resolve().parent.parent
 TEST_CACHE_DIR = Path(os.environ.get("MLXCEL_TEST_CACHE_DIR", REPO / ".cache" / "test"))
 
 
+# Fixtures that start a process (the session's redis-server, or worker processes): a test using
+# one, directly or through another fixture, is a `pool` test. Tests that start processes some
+# other way (running_pool, subprocess) carry the mark themselves, by module or by test.
+PROCESS_FIXTURES = frozenset({"redis_server", "redis_url", "start_worker"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.pool)
+
+
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[EmbeddedRedis]:
     server = start_redis()

@@ -134,6 +134,7 @@ def check(
 PROPERTY = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
+@pytest.mark.pool  # its grammars compile in router.grammar_sandbox helper processes
 @PROPERTY
 @given(bodies(COMPLETION, SAMPLING))
 def test_any_completion_body_is_refused_or_admitted_for_the_wire(

@@ -159,6 +159,7 @@ def bounded_pool(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
         yield pool
 
 
+@pytest.mark.pool
 def test_past_the_bound_a_request_gets_a_429_before_anything_is_enqueued(
     bounded_pool: Any,
 ) -> None:
@@ -207,6 +208,7 @@ def test_past_the_bound_a_request_gets_a_429_before_anything_is_enqueued(
     assert again.status_code == 200, again.text
 
 
+@pytest.mark.pool
 def test_a_request_of_several_choices_is_admitted_whole_or_refused_whole(bounded_pool: Any) -> None:
     """n choices are n places in the ledger: past the bound the whole request is a 429, with no
     choice enqueued and no reservation left behind; at the bound it runs every choice."""

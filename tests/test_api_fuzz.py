@@ -14,6 +14,8 @@ from hypothesis import HealthCheck, given, settings
 
 from tests.pool_fixture import running_pool
 
+pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
+
 # Generated token budgets are clamped so a fuzzed request costs the tiny model milliseconds;
 # every other field is fuzzed as the schema allows (and past it).
 MAX_FUZZED_TOKENS = 16

@@ -28,6 +28,8 @@ from shared.config import AuthConfig, ConfigError, Settings, load_settings
 from shared.redis_server import EmbeddedRedis, free_port
 from tests.test_router_validation import RouterServer, assert_error
 
+pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
+
 REPO = Path(__file__).resolve().parent.parent
 # Distinct, unlikely strings: finding one in a log can only mean it was logged.
 ENV_KEYS = ("sk-env-one-7f3a91", "sk-env-two-c48d02")

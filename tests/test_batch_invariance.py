@@ -29,6 +29,8 @@ from worker.engine.batch_invariance import (
     generate,
 )
 
+pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
+
 
 @pytest.fixture(scope="module")
 def tiny_model(tiny_model_dir: Path) -> Iterator[Any]:

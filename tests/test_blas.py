@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
+
 REPO = Path(__file__).resolve().parents[1]
 
 # Any of these present means preload_openblas() must find one on this machine.

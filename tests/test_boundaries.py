@@ -39,6 +39,7 @@ def test_no_import_crosses_a_border(package: str) -> None:
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.pool
 def test_router_app_loads_no_mlx_at_run_time() -> None:
     code = (
         "import sys, router.app, router.serve\n"

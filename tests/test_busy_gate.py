@@ -23,6 +23,8 @@ from shared.model_facts import model_id_for
 from tests.pool_fixture import wait_for
 from tests.test_router_validation import RouterServer, router_settings
 
+pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
+
 
 class _Clock:
     def __init__(self) -> None:

@@ -8,7 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from mlxcel_pool.child_output import LOG_BACKUPS, ChildOutput
+
+pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
 
 
 class _Tty(io.StringIO):

@@ -24,6 +24,8 @@ import redis
 from shared.config import ENV_VARS
 from shared.redis_server import free_port
 
+pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
+
 REPO = Path(__file__).resolve().parent.parent
 READY_PREFIX = "mlxcel-pool ready: "
 

@@ -20,6 +20,8 @@ from shared.wire import MsgpackSerializer
 from tests.pool_fixture import running_pool, wait_for
 from tests.streams import pool_queues
 
+pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
+
 KW = {"serializer": MsgpackSerializer}
 # Far more than the worker makes before the client hangs up (this prompt never reaches EOS).
 MAX_TOKENS = 1900

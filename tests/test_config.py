@@ -105,6 +105,7 @@ def _cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[st
     )
 
 
+@pytest.mark.pool
 def test_worker_with_bad_env_exits_2_before_loading() -> None:
     proc = _cli(["worker"], {"REDIS_URL": "redis://127.0.0.1:1/0", "MLXCEL_BATCH_SIZE": "lots"})
     assert proc.returncode == 2, proc.stderr
@@ -112,6 +113,7 @@ def test_worker_with_bad_env_exits_2_before_loading() -> None:
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.pool
 def test_router_without_redis_url_exits_2() -> None:
     proc = _cli(["router"], {})
     assert proc.returncode == 2, proc.stderr
@@ -119,6 +121,7 @@ def test_router_without_redis_url_exits_2() -> None:
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.pool
 def test_cli_module_does_not_import_mlx() -> None:
     code = "import sys, mlxcel_pool.cli; sys.exit(int(any(m.startswith('mlx.') or m == 'mlx' "
     code += "for m in sys.modules)))"

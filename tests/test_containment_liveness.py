@@ -35,6 +35,8 @@ from tests.pool_fixture import TINY_MODEL, running_pool, sse_events, wait_for
 from tests.streams import SHARED_QUEUE, enqueue_raw, pool_queues, read_events
 from worker.loop import FAULT_LOOP_STALL_ENV
 
+pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
+
 KW = {"serializer": MsgpackSerializer}
 STUCK_AFTER_S = 15  # the pool's stuck threshold here: longer than a long pass, short for a test
 LONG_PASS_S = 10.0  # past the dead threshold (5 s, and the reaper's two passes): once a death

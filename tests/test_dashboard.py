@@ -31,6 +31,8 @@ from shared.wire import JOB_FUNC, MsgpackSerializer
 from tests.streams import SHARED_QUEUE, TINY_MODEL, enqueue
 from worker.broker.presence import WorkerPresence
 
+pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -28,6 +28,8 @@ from tests.test_schema_limits import ref_chain
 from tests.test_structured_output import JSON_SCHEMA, assert_matches_schema
 from tests.test_tool_calls import TOOLS_TEMPLATE
 
+pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
+
 
 @pytest.fixture(scope="module")
 def tok(tiny_model_dir: Path) -> PromptTokenizer:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -19,6 +20,8 @@ from shared import keys
 from shared.metrics import ADMISSION_REASONS, ROUTING_OUTCOMES
 from shared.reject import REJECT_REASONS
 from tests.pool_fixture import running_pool
+
+pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
 
 REPO = Path(__file__).resolve().parent.parent
 DASHBOARD = REPO / "docs" / "grafana-dashboard.json"

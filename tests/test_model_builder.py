@@ -122,6 +122,7 @@ print(model_builder.ensure_model(Path(sys.argv[1]), "tiny", 7, progress))
 """
 
 
+@pytest.mark.pool
 def test_ensure_model_builds_once_across_processes(tmp_path: Path) -> None:
     log = tmp_path / "builds.log"
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -24,6 +24,8 @@ from transformers import AutoTokenizer
 from tests.pool_fixture import running_pool
 from tests.test_tool_calls import SDK_TURNS, TOOLS_TEMPLATE, WEATHER, as_template_sees
 
+pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
+
 KEY = "sk-openai-client-3f9c2d"
 BOUND = 12  # requests (choices) in flight: a request of n=16 is refused whole
 FOX = "The quick brown fox"

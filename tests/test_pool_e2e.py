@@ -20,6 +20,8 @@ import pytest
 from tests.pool_fixture import running_pool, sse_events
 from tests.streams import SHARED_QUEUE
 
+pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
+
 MAX_TOKENS = 24
 PROMPTS = [
     "The quick brown fox",

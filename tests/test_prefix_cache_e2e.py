@@ -11,6 +11,8 @@ import pytest
 
 from tests.pool_fixture import running_pool, wait_for
 
+pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
+
 MODEL = "mlxcel-tiny-s0"
 MAX_TOKENS = 12
 

@@ -29,6 +29,8 @@ from shared.redis_server import (
     start_redis,
 )
 
+pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
+
 REPO = Path(__file__).resolve().parent.parent
 # The @dangerous commands (and CLIENT subcommands) the pool's user keeps, and why: rq reads the
 # server's version (INFO), names its connection and finds its own address (CLIENT SETNAME, LIST);

@@ -7,12 +7,15 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import redis
 from rq import Worker
 
 from shared import keys
 from shared.redis_server import start_redis
 from tests.streams import SHARED_QUEUE, enqueue, read_events
+
+pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
 
 
 def _wait(predicate, timeout: float, what: str) -> None:

@@ -34,6 +34,8 @@ from shared.redis_sentinel import (
 )
 from shared.redis_server import POOL_USER, EmbeddedRedis, start_redis, start_sentinel
 
+pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
+
 REPO = Path(__file__).resolve().parent.parent
 SERVICE = "mlxcel-primary"
 SECRET = "s3cr3t-Pa55"

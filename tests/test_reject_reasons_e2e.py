@@ -26,6 +26,8 @@ from shared.reject import REJECT_REASONS
 from tests.pool_fixture import running_pool, wait_for
 from tests.streams import enqueue, read_events
 
+pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
+
 MODEL = "mlxcel-tiny-s0"
 TRACE = {"MLXCEL_APC_TRACE": "1"}
 

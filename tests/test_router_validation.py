@@ -24,6 +24,8 @@ from shared.model_facts import model_id_for
 from shared.redis_server import EmbeddedRedis, free_port
 from shared.reject import REJECT_REASONS
 
+pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
+
 
 class RouterServer:
     """The real app under uvicorn in a background thread, on a free port."""

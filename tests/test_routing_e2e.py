@@ -22,6 +22,8 @@ from shared import keys
 from shared.block_hash import BlockHasher, CacheNamespace, index_members
 from tests.pool_fixture import running_pool, wait_for
 
+pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
+
 MODEL = "mlxcel-tiny-s0"
 WORKERS = ("w1", "w2")
 # Three per worker: a burst of six the same prefix spreads over both.

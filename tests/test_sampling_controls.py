@@ -368,6 +368,7 @@ def pool(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         yield p
 
 
+@pytest.mark.pool
 def test_completion_logprobs_legacy_shape(pool: Any, tiny: Model, counting: list[int]) -> None:
     body = {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 8, "logprobs": 3}
     out = ok(post(pool, "/v1/completions", body))
@@ -416,6 +417,7 @@ def _prompt_offsets_point_at_their_tokens(lp: dict[str, list[Any]], text: str) -
         assert text[offset:].startswith(token), (token, offset, text)
 
 
+@pytest.mark.pool
 def test_echo_returns_the_prompt_then_its_completion(
     pool: Any, tiny: Model, counting: list[int]
 ) -> None:
@@ -465,6 +467,7 @@ def test_echo_returns_the_prompt_then_its_completion(
     assert "echo" in refused.json()["error"]["message"]
 
 
+@pytest.mark.pool
 def test_echo_logprobs_of_the_prompt_are_what_its_greedy_continuation_reported(
     pool: Any, tiny: Model, counting: list[int]
 ) -> None:
@@ -517,6 +520,7 @@ def test_echo_logprobs_of_the_prompt_are_what_its_greedy_continuation_reported(
     assert joined["tokens"] == blp["tokens"] and joined["text_offset"] == blp["text_offset"]
 
 
+@pytest.mark.pool
 def test_chat_logprobs_shape(pool: Any) -> None:
     body = {"messages": CHAT, "max_tokens": 8, "logprobs": True, "top_logprobs": 2}
     out = ok(post(pool, "/v1/chat/completions", body))
@@ -553,6 +557,7 @@ def test_chat_logprobs_shape(pool: Any) -> None:
     assert none["choices"][0]["logprobs"] is None
 
 
+@pytest.mark.pool
 def test_controls_reach_the_worker(pool: Any) -> None:
     body = {"prompt": "hi", "max_tokens": 5, "logit_bias": {"100": 100}, "logprobs": 0}
     forced = ok(post(pool, "/v1/completions", body))
@@ -638,6 +643,7 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
 ]
 
 
+@pytest.mark.pool
 @pytest.mark.parametrize(("kind", "extra", "param"), BAD)
 def test_bad_controls_are_400_naming_the_param(
     pool: Any, kind: str, extra: dict[str, Any], param: str

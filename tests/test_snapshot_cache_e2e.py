@@ -16,6 +16,8 @@ from tests.conftest import MlxReference
 from tests.pool_fixture import Pool, running_pool
 from tests.streams import enqueue, generated_tokens, read_events
 
+pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
+
 MODEL = "mlxcel-tiny-swa"
 
 

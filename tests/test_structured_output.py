@@ -200,6 +200,7 @@ def complete(pool: Any, **body: Any) -> dict[str, Any]:
     return ok(post(pool, "/v1/completions", {"prompt": PROMPT, **body}))["choices"][0]
 
 
+@pytest.mark.pool
 def test_json_schema_on_both_endpoints_streamed_and_not(pool: Any) -> None:
     body = {"response_format": JSON_SCHEMA, "max_tokens": MAX_TOKENS}
     message = chat(pool, **body)
@@ -228,12 +229,14 @@ def test_json_schema_on_both_endpoints_streamed_and_not(pool: Any) -> None:
         assert_matches_schema(t)
 
 
+@pytest.mark.pool
 def test_without_response_format_the_same_prompt_is_not_json(pool: Any) -> None:
     text = complete(pool, max_tokens=MAX_TOKENS)["text"]
     with pytest.raises(ValueError):
         json.loads(text)
 
 
+@pytest.mark.pool
 def test_regex_and_lark_grammar_extensions(pool: Any) -> None:
     out = complete(pool, response_format={"type": "regex", "regex": REGEX}, max_tokens=32)
     assert out["finish_reason"] == "stop" and re.fullmatch(REGEX, out["text"]), out
@@ -249,6 +252,7 @@ def test_regex_and_lark_grammar_extensions(pool: Any) -> None:
     assert re.fullmatch(r"(yes|no) because [a-z]{1,8}", out["message"]["content"]), out
 
 
+@pytest.mark.pool
 def test_json_object(pool: Any) -> None:
     """Any JSON object: random weights may fill a key forever, so what can be asserted at the
     length limit is the object's start; steered by logit_bias to '}' it closes at once."""
@@ -265,6 +269,7 @@ def test_json_object(pool: Any) -> None:
     assert out["finish_reason"] == "stop" and json.loads(out["message"]["content"]) == {}
 
 
+@pytest.mark.pool
 def test_constrained_and_plain_requests_together(pool: Any) -> None:
     plain = complete(pool, max_tokens=24)
     bodies = [{"response_format": JSON_SCHEMA, "max_tokens": MAX_TOKENS}, {"max_tokens": 24}] * 2
@@ -305,6 +310,7 @@ BAD_FORMATS: list[Any] = [
 ]
 
 
+@pytest.mark.pool
 @pytest.mark.parametrize("fmt", BAD_FORMATS)
 def test_bad_formats_are_400_naming_response_format(pool: Any, fmt: Any) -> None:
     for path, body in (

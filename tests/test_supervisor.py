@@ -31,6 +31,8 @@ from tests.pool_fixture import running_pool, wait_for
 from tests.streams import SHARED_QUEUE
 from tests.test_routing_e2e import PREFIX, complete, holds, tail
 
+pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
+
 # --- the policy, on an injected clock ---------------------------------------------------------
 
 

@@ -146,6 +146,7 @@ def test_template_picks_mlx_lm_parser(hf: Any) -> None:
     assert infer_parser_name("{{ '<tool_call>\\n<function=' }}") == "qwen3_coder"
 
 
+@pytest.mark.pool
 def test_router_loads_parsers_without_mlx() -> None:
     code = (
         "import sys; from router.tool_calls import load_parser\n"
@@ -352,6 +353,7 @@ def real_pool(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         yield p
 
 
+@pytest.mark.pool
 def test_pool_serves_a_tool_conversation(real_pool: Any, hf: Any, model_id: str) -> None:
     def ask(**extra: Any) -> dict[str, Any]:
         body = {
@@ -392,6 +394,7 @@ CALL_REGEX = (
 )
 
 
+@pytest.mark.pool
 def test_a_tool_call_the_model_writes_is_parsed(real_pool: Any, model_id: str) -> None:
     """The tiny model writes a tool call (its output constrained by a regex): the router parses
     it into `tool_calls` with finish_reason "tool_calls", streamed as deltas and not."""
@@ -463,6 +466,7 @@ def _forced(real_pool: Any, model_id: str, choice: Any, **extra: Any) -> dict[st
     return resp.json()
 
 
+@pytest.mark.pool
 def test_tool_choice_required_makes_the_model_call_a_tool(real_pool: Any, model_id: str) -> None:
     """The random-weight model, left to itself, never calls a tool; "required" makes it write
     exactly one call of a declared tool with valid arguments."""
@@ -477,6 +481,7 @@ def test_tool_choice_required_makes_the_model_call_a_tool(real_pool: Any, model_
     assert unforced["finish_reason"] != "tool_calls" and not unforced["message"].get("tool_calls")
 
 
+@pytest.mark.pool
 def test_a_named_tool_choice_calls_that_function(real_pool: Any, model_id: str) -> None:
     named = {"type": "function", "function": {"name": "get_time"}}
     for parallel in (None, False):  # one call is forced: parallel_tool_calls false holds

@@ -28,6 +28,8 @@ from shared.wire import STREAM_FIELD, MsgpackSerializer, StreamEvent
 from tests.pool_fixture import running_pool, wait_for
 from tests.streams import pool_queues
 
+pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
+
 KW = {"serializer": MsgpackSerializer}
 # Small prefill chunks make a long prompt's prefill last about a second on the tiny model: the
 # window in which a worker holds a request that has streamed nothing yet.

@@ -27,6 +27,8 @@ from tests.streams import (
     read_events,
 )
 
+pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
+
 
 def _registries(r: redis.Redis):
     kw = {"connection": r, "serializer": MsgpackSerializer}
