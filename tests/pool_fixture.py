@@ -14,6 +14,7 @@ import httpx
 
 from mlxcel_pool.supervisor import Pool
 from shared.config import load_settings
+from tests.streams import TINY_MODEL
 
 
 @contextmanager
@@ -55,12 +56,22 @@ def wait_for(predicate: Any, timeout: float = 10.0, what: str = "condition") -> 
         time.sleep(0.05)
 
 
-TINY_MODEL = "mlxcel-tiny-s0"  # the tiny dev model's id
-
-
 def post(pool: Any, path: str, body: dict[str, Any]) -> httpx.Response:
     """POST `body` to the pool, for the tiny model unless the body names one."""
     return httpx.post(f"{pool.url}{path}", json={"model": TINY_MODEL, **body}, timeout=60)
+
+
+def complete_tokens(
+    pool: Any, prompt: list[int], max_tokens: int = 4, model: str = TINY_MODEL
+) -> httpx.Response:
+    """A greedy completion of a token prompt, asserted 200."""
+    resp = httpx.post(
+        f"{pool.url}/v1/completions",
+        timeout=60,
+        json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+    )
+    assert resp.status_code == 200, resp.text
+    return resp
 
 
 def ok(resp: httpx.Response) -> dict[str, Any]:

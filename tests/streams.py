@@ -19,7 +19,7 @@ from shared.wire import (
 )
 
 # The tests' workers serve the tiny model: its shared queue is where a test plays the router.
-TINY_MODEL = "mlxcel-tiny-s0"
+TINY_MODEL = "mlxcel-tiny-s0"  # the tiny dev model's id: the one place the tests spell it
 SHARED_QUEUE = keys.model_queue_name(TINY_MODEL)
 
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.pool_fixture import running_pool, sse_events
-from tests.streams import SHARED_QUEUE
+from tests.streams import SHARED_QUEUE, TINY_MODEL
 
 pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
 
@@ -49,7 +49,7 @@ def _messages(prompt: str) -> list[dict[str, str]]:
 
 async def _one(client: httpx.AsyncClient, kind: str, prompt: str, stream: bool) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "model": "mlxcel-tiny-s0",
+        "model": TINY_MODEL,
         "max_tokens": MAX_TOKENS,
         "temperature": 0,
         "stream": stream,
@@ -113,11 +113,11 @@ def test_health_models_and_rq_info_show_the_truth(pool) -> None:
     health = httpx.get(f"{pool.url}/health", timeout=10)
     assert health.status_code == 200
     models = httpx.get(f"{pool.url}/v1/models", timeout=10).json()
-    assert [m["id"] for m in models["data"]] == ["mlxcel-tiny-s0"]
+    assert [m["id"] for m in models["data"]] == [TINY_MODEL]
     resp = httpx.post(
         f"{pool.url}/v1/completions",
         timeout=60,
-        json={"model": "mlxcel-tiny-s0", "prompt": "hi", "max_tokens": 3},
+        json={"model": TINY_MODEL, "prompt": "hi", "max_tokens": 3},
     )
     assert resp.status_code == 200
     info = subprocess.run(
@@ -136,7 +136,7 @@ def test_health_models_and_rq_info_show_the_truth(pool) -> None:
 
 
 def _complete(pool, **body: Any) -> dict[str, Any]:
-    body = {"model": "mlxcel-tiny-s0", "max_tokens": 16, **body}
+    body = {"model": TINY_MODEL, "max_tokens": 16, **body}
     resp = httpx.post(f"{pool.url}/v1/completions", json=body, timeout=60)
     assert resp.status_code == 200, resp.text
     return resp.json()
@@ -168,7 +168,7 @@ def test_what_openai_clients_leave_out_or_send_as_null_takes_the_defaults(pool) 
     for body in ({"prompt": "hi", "max_tokens": 2}, {"prompt": "hi", "max_tokens": 2, **nulls}):
         resp = httpx.post(f"{pool.url}/v1/completions", json=body, timeout=60)
         assert resp.status_code == 200, resp.text
-        assert resp.json()["model"] == "mlxcel-tiny-s0"
+        assert resp.json()["model"] == TINY_MODEL
         assert resp.json()["usage"]["completion_tokens"] >= 1
     messages = [{"role": "user", "content": "hi"}]
     chat = httpx.post(
@@ -178,7 +178,7 @@ def test_what_openai_clients_leave_out_or_send_as_null_takes_the_defaults(pool) 
     )
     assert chat.status_code == 200 and chat.json()["object"] == "chat.completion", chat.text
     one = httpx.get(f"{pool.url}/v1/models/mlxcel-tiny-s0", timeout=10)
-    assert one.status_code == 200 and one.json()["id"] == "mlxcel-tiny-s0"
+    assert one.status_code == 200 and one.json()["id"] == TINY_MODEL
     missing = httpx.get(f"{pool.url}/v1/models/nope", timeout=10)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 
@@ -213,7 +213,7 @@ def test_n_choices_and_prompt_lists_run_as_sequences_of_their_own(pool) -> None:
     )
 
     body = {
-        "model": "mlxcel-tiny-s0",
+        "model": TINY_MODEL,
         "prompt": "The quick brown fox",
         "max_tokens": 6,
         "temperature": 0,

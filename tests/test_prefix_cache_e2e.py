@@ -9,11 +9,11 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.pool_fixture import running_pool, wait_for
+from tests.pool_fixture import TINY_MODEL, running_pool, wait_for
 
 pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
 
-MODEL = "mlxcel-tiny-s0"
+MODEL = TINY_MODEL
 MAX_TOKENS = 12
 
 

@@ -23,12 +23,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shared import keys
 from shared.reject import REJECT_REASONS
-from tests.pool_fixture import running_pool, wait_for
+from tests.pool_fixture import TINY_MODEL, complete_tokens, running_pool, wait_for
 from tests.streams import enqueue, read_events
 
 pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
 
-MODEL = "mlxcel-tiny-s0"
+MODEL = TINY_MODEL
 TRACE = {"MLXCEL_APC_TRACE": "1"}
 
 
@@ -37,13 +37,7 @@ def toks(n: int, start: int = 10) -> list[int]:
 
 
 def complete(pool, prompt: list[int], max_tokens: int = 4) -> dict[str, Any]:
-    resp = httpx.post(
-        f"{pool.url}/v1/completions",
-        timeout=60,
-        json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
-    )
-    assert resp.status_code == 200, resp.text
-    return resp.json()
+    return complete_tokens(pool, prompt, max_tokens, MODEL).json()
 
 
 def reject_samples(pool) -> dict[str, float]:

@@ -14,8 +14,9 @@ from shared import keys
 from shared.block_hash import BlockHasher, canary
 from shared.canary_check import CanaryMismatch, check_against_workers
 from tests.conftest import WorkerProcess
+from tests.streams import TINY_MODEL
 
-MODEL = "mlxcel-tiny-s0"
+MODEL = TINY_MODEL
 
 
 def test_a_worker_refuses_to_start_when_the_routers_hash_differently(

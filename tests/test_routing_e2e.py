@@ -20,11 +20,11 @@ import redis
 from router.routes.generation import WORKER_HEADER
 from shared import keys
 from shared.block_hash import BlockHasher, CacheNamespace, index_members
-from tests.pool_fixture import running_pool, wait_for
+from tests.pool_fixture import TINY_MODEL, complete_tokens, running_pool, wait_for
 
 pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
 
-MODEL = "mlxcel-tiny-s0"
+MODEL = TINY_MODEL
 WORKERS = ("w1", "w2")
 # Three per worker: a burst of six the same prefix spreads over both.
 PER_WORKER = 3
@@ -49,12 +49,7 @@ def _alive(pool, wid: str) -> bool:
 
 def complete(pool, prompt: list[int], max_tokens: int = 4) -> tuple[str, int]:
     """(the worker that served it, the prompt tokens it reused)."""
-    resp = httpx.post(
-        f"{pool.url}/v1/completions",
-        timeout=60,
-        json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
-    )
-    assert resp.status_code == 200, resp.text
+    resp = complete_tokens(pool, prompt, max_tokens, MODEL)
     return resp.headers[WORKER_HEADER], resp.json()["usage"]["prompt_tokens_details"][
         "cached_tokens"
     ]

@@ -13,7 +13,7 @@ import redis
 
 from shared import keys
 from tests.conftest import MlxReference
-from tests.pool_fixture import Pool, running_pool
+from tests.pool_fixture import Pool, complete_tokens, running_pool
 from tests.streams import enqueue, generated_tokens, read_events
 
 pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
@@ -33,13 +33,7 @@ def reference(tiny_swa_model_dir: Path) -> MlxReference:
 
 
 def _complete(pool: Pool, tokens: list[int]) -> dict:
-    resp = httpx.post(
-        f"{pool.url}/v1/completions",
-        timeout=60,
-        json={"model": MODEL, "prompt": tokens, "max_tokens": 10, "temperature": 0},
-    )
-    assert resp.status_code == 200, resp.text
-    return resp.json()
+    return complete_tokens(pool, tokens, 10, MODEL).json()
 
 
 def _cached(out: dict) -> int:
