@@ -142,6 +142,13 @@ def _holders(r: redis.Redis) -> dict[str, str]:
     return out
 
 
+def _wait_tokens_relayed(r: redis.Redis, job_ids: list[str]) -> None:
+    """Until each stream holds a few tokens and the router had time to relay them: a request
+    whose client saw no token yet is run again elsewhere on a death (no `worker_lost`)."""
+    wait_for(lambda: all(r.xlen(keys.request_stream(j)) >= 5 for j in job_ids), 30, "tokens")
+    time.sleep(0.3)
+
+
 def _failed(r: redis.Redis) -> set[str]:
     return {
         j
@@ -277,6 +284,7 @@ def test_every_ending_leaves_no_request_key_without_a_ttl(pool: Any, r: redis.Re
     holders = wait_for(lambda: _holders(r), 60, "streams running")
     victim = sorted(holders.values())[0]
     lost = [j for j, w in holders.items() if w == victim]
+    _wait_tokens_relayed(r, lost)
     os.kill(pool.pid(victim), signal.SIGSTOP)
     try:
         wait_for(lambda: r.exists(keys.worker_reaped(victim)), 20, "the stopped worker reaped")
@@ -295,6 +303,7 @@ def test_every_ending_leaves_no_request_key_without_a_ttl(pool: Any, r: redis.Re
     # worker_lost, true: a worker killed while it streams.
     threads, results = _in_threads(pool, PROMPTS[2:3], 2000)
     holders = wait_for(lambda: _holders(r), 60, "a stream running")
+    _wait_tokens_relayed(r, list(holders))
     pool.kill_worker(next(iter(holders.values())))
     for t in threads:
         t.join(120)
