@@ -25,9 +25,9 @@ import redis
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from mlxcel_pool.redis_server import free_port, start_redis  # noqa: E402
 from shared import keys  # noqa: E402
 from shared.cache_stats import COUNTER_FIELDS, GAUGE_FIELDS  # noqa: E402
-from shared.redis_server import free_port, start_redis  # noqa: E402
 from shared.reject import REJECT_REASONS  # noqa: E402
 
 

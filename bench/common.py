@@ -33,7 +33,7 @@ import aiohttp  # noqa: E402
 import httpx  # noqa: E402
 
 from devmodel import corpus  # noqa: E402
-from shared.redis_server import free_port  # noqa: E402
+from mlxcel_pool.redis_server import free_port  # noqa: E402
 from tests.pool_fixture import running_pool  # noqa: E402
 
 BENCH_CACHE_DIR = REPO / ".cache" / "bench"

@@ -253,7 +253,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_redis(args: argparse.Namespace) -> int:
-    from shared.redis_server import RedisServerError, start_redis
+    from mlxcel_pool.redis_server import RedisServerError, start_redis
 
     settings = _settings({})
     password = embedded_password(settings.cache_dir)
@@ -283,7 +283,7 @@ def cmd_redis(args: argparse.Namespace) -> int:
 
 
 def cmd_redis_url(args: argparse.Namespace) -> int:
-    from shared.redis_server import embedded_url
+    from mlxcel_pool.redis_server import embedded_url
 
     # Made here if `mlxcel-pool redis` has not made it yet: both end up with the same password.
     password = embedded_password(_settings({}).cache_dir)

@@ -31,11 +31,11 @@ from pydantic import SecretStr
 
 from devmodel.paths import is_built
 from mlxcel_pool.child_output import ChildOutput
+from mlxcel_pool.redis_server import EmbeddedRedis, RedisServerError, free_port, start_redis
 from mlxcel_pool.restarts import RestartLedger, RestartPolicy
 from shared.config import ENV_VARS, TRACE_ENV, ConfigError, Settings
 from shared.model_facts import configured_model_dir
 from shared.redis_auth import embedded_password
-from shared.redis_server import EmbeddedRedis, RedisServerError, free_port, start_redis
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ROUTER = "router"

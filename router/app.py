@@ -28,6 +28,7 @@ from router.busy_gate import BusyGateMiddleware
 from router.cache_stats import register_pool_script
 from router.dispatch import Dispatcher, build_queue
 from router.errors import install_error_handlers
+from router.metrics import init_labels
 from router.model_catalog import ModelCatalog
 from router.routes import cache, chat, completions, health, metrics, models
 from router.serve import SETTINGS_ENV
@@ -38,7 +39,6 @@ from shared.block_hash import BlockHasher, canary
 from shared.canary_check import check_against_workers
 from shared.config import Settings, load_settings
 from shared.gc_freeze import freeze_startup_heap
-from shared.metrics import init_labels
 from shared.model_facts import configured_model_dir, model_id_for
 from shared.redis_auth import masked_url
 from shared.redis_clients import async_client, sync_client

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.errors import APIError
-from shared.metrics import ADMISSION_REFUSED
+from router.metrics import ADMISSION_REFUSED
 
 # The routes whose requests the ledger admits.
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
-from shared.metrics import (
+from router.metrics import (
     ROUTING_DECISIONS,
     ROUTING_PREDICTED_TOKENS,
     ROUTING_PREDICTED_TOTAL,

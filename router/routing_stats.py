@@ -13,8 +13,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from router.metrics import ROUTING_OUTCOMES
 from shared import keys
-from shared.metrics import ROUTING_OUTCOMES
 
 WORKER_FIELDS = ("routed", "predicted_tokens", "started", "reused_tokens", "taken_over")
 

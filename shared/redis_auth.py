@@ -63,8 +63,8 @@ def _masked_port(hostport: str) -> str:
 
 
 def embedded_password(cache_dir: Path) -> str:
-    """The embedded Redis's password (its pool user's, `shared.redis_server.POOL_USER`), kept in
-    `<cache_dir>/redis.password` (mode 0600).
+    """The embedded Redis's password (its pool user's, `mlxcel_pool.redis_server.POOL_USER`),
+    kept in `<cache_dir>/redis.password` (mode 0600).
 
     Made once with `secrets.token_urlsafe`, then reused: a restarted server (by `Pool.supervise`,
     or a new `mlxcel-pool up` / `mlxcel-pool redis` on the same port) takes the same password, so

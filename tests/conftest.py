@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from shared.redis_server import EmbeddedRedis, start_redis
+from mlxcel_pool.redis_server import EmbeddedRedis, start_redis
 from worker.mlx_cpu import blas
 
 # An explicit call, before any test module imports mlx: OpenBLAS must be loaded first.

@@ -21,11 +21,11 @@ import pytest
 from fastapi import FastAPI
 from fastapi.routing import iter_route_contexts
 
+from mlxcel_pool.redis_server import EmbeddedRedis, free_port
 from mlxcel_pool.supervisor import settings_env
 from router.app import create_app
 from router.auth import ADMIN_PATHS, Access, Denial, load_access
 from shared.config import AuthConfig, ConfigError, Settings, load_settings
-from shared.redis_server import EmbeddedRedis, free_port
 from tests.test_router_validation import RouterServer, assert_error
 
 pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`

@@ -21,8 +21,8 @@ import psutil
 import pytest
 import redis
 
+from mlxcel_pool.redis_server import free_port
 from shared.config import ENV_VARS
-from shared.redis_server import free_port
 
 pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
 

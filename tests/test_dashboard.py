@@ -24,9 +24,9 @@ from rq.job import Job
 from rq.results import Result
 
 from mlxcel_pool.dashboard import worker_label
+from mlxcel_pool.redis_server import free_port
 from shared import keys
 from shared.redis_auth import MASK
-from shared.redis_server import free_port
 from shared.wire import JOB_FUNC, MsgpackSerializer
 from tests.streams import SHARED_QUEUE, TINY_MODEL, enqueue
 from worker.broker.presence import WorkerPresence

@@ -16,8 +16,8 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.metrics import ADMISSION_REASONS, ROUTING_OUTCOMES
 from shared import keys
-from shared.metrics import ADMISSION_REASONS, ROUTING_OUTCOMES
 from shared.reject import REJECT_REASONS
 from tests.pool_fixture import running_pool
 

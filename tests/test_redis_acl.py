@@ -18,8 +18,7 @@ import httpx
 import pytest
 import redis
 
-from shared import keys
-from shared.redis_server import (
+from mlxcel_pool.redis_server import (
     ADMIN_USER,
     DISABLED_COMMANDS,
     POOL_USER,
@@ -28,6 +27,7 @@ from shared.redis_server import (
     free_port,
     start_redis,
 )
+from shared import keys
 
 pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
 

@@ -11,9 +11,9 @@ import psutil
 import pytest
 import redis
 
+from mlxcel_pool.redis_server import RedisServerError, start_redis
 from shared.config import ConfigError, load_settings
 from shared.redis_auth import PASSWORD_FILE, PasswordFileError, embedded_password, masked_url
-from shared.redis_server import RedisServerError, start_redis
 
 pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
 

@@ -11,8 +11,8 @@ import pytest
 import redis
 from rq import Worker
 
+from mlxcel_pool.redis_server import start_redis
 from shared import keys
-from shared.redis_server import start_redis
 from tests.streams import SHARED_QUEUE, enqueue, read_events
 
 pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`

@@ -22,6 +22,7 @@ import pytest
 import redis
 from rq.utils import utcparse
 
+from mlxcel_pool.redis_server import POOL_USER, EmbeddedRedis, start_redis, start_sentinel
 from shared import keys
 from shared.config import ConfigError, RedisConfig, load_settings
 from shared.redis_auth import MASK, masked_url
@@ -32,7 +33,6 @@ from shared.redis_sentinel import (
     parse_sentinel_url,
     sentinel_url,
 )
-from shared.redis_server import POOL_USER, EmbeddedRedis, start_redis, start_sentinel
 
 pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
 

@@ -21,9 +21,9 @@ import redis
 from rq.registry import StartedJobRegistry
 from transformers import AutoTokenizer
 
+from mlxcel_pool.redis_server import EmbeddedRedis, start_redis
 from shared.config import RedisConfig
 from shared.redis_clients import sync_client
-from shared.redis_server import EmbeddedRedis, start_redis
 from tests.pool_fixture import running_pool, sse_events
 from tests.streams import SHARED_QUEUE
 
@@ -231,8 +231,8 @@ def test_a_router_starting_while_redis_stalls_waits_it_out(
 ) -> None:
     """uvicorn stops every process of a router when one fails its startup, so a process that
     starts during a Redis stall must wait for Redis, not give up on its first timeout."""
+    from mlxcel_pool.redis_server import start_redis
     from shared.config import RedisConfig
-    from shared.redis_server import start_redis
     from tests.test_router_validation import RouterServer, router_settings
 
     server = start_redis()

@@ -19,9 +19,9 @@ import httpx
 import pytest
 import redis
 
+from mlxcel_pool.redis_server import free_port
 from shared.config import RedisConfig
 from shared.redis_clients import async_client, sync_client
-from shared.redis_server import free_port
 from tests.test_router_validation import RouterServer, router_settings
 
 pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`

@@ -19,10 +19,10 @@ from rq.job import Job, JobStatus
 from rq.results import Result
 from transformers import AutoTokenizer
 
+from mlxcel_pool.redis_server import EmbeddedRedis
 from router.dispatch import CANCELLED_STREAM_TTL_S
 from router.tokenization import template_signature
 from shared import keys, liveness
-from shared.redis_server import EmbeddedRedis
 from shared.wire import (
     JOB_FUNC,
     STREAM_FIELD,

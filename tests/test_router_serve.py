@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.redis_server import free_port
+from mlxcel_pool.redis_server import free_port
 from shared.reject import REJECT_REASONS
 
 REPO = Path(__file__).resolve().parent.parent

@@ -16,12 +16,12 @@ import redis
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from mlxcel_pool.redis_server import EmbeddedRedis, free_port
 from router.app import create_app
 from shared import keys, liveness
 from shared.cache_stats import SPEC_FIELDS
 from shared.config import ModelConfig, RedisConfig, RouterConfig, Settings
 from shared.model_facts import model_id_for
-from shared.redis_server import EmbeddedRedis, free_port
 from shared.reject import REJECT_REASONS
 
 pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`

@@ -23,6 +23,7 @@ from router.busy_gate import busy_error
 from router.dispatch import TIMEOUT, WORKER_LOST
 from router.errors import APIError
 from router.logprobs import LogprobRenderer, TokenLogprob, from_event, token_table
+from router.metrics import ADMISSION_REFUSED, REQUEST_DECODE_TOK_S, REQUEST_TTFT_MS
 from router.model_catalog import unknown_model_message
 from router.openai_types import ResponseFormat, Usage
 from router.routing_metrics import observe_placement
@@ -31,7 +32,6 @@ from router.tokenization import TokenizerLoadError
 from router.tool_calls import ToolCallStream
 from shared.block_hash import CacheNamespace, index_members
 from shared.canary_check import CanaryMismatch
-from shared.metrics import ADMISSION_REFUSED, REQUEST_DECODE_TOK_S, REQUEST_TTFT_MS
 from shared.wire import REDIS_UNAVAILABLE, GenerationRequest, StreamEvent
 
 log = logging.getLogger(__name__)

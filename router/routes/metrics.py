@@ -13,12 +13,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import GaugeMetricFamily
 
 from router.cache_stats import read_pool
+from router.metrics import scrape
 from router.pool_health import queue_depths
 from router.pool_metrics import PoolCollector, pool_families
 from router.routing_metrics import init_worker_series
 from router.state import StateDep
 from shared.cache_stats import WorkerCacheSnapshot
-from shared.metrics import scrape
 
 router = APIRouter()
 

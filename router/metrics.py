@@ -5,8 +5,8 @@ Names follow the spec (docs: prompt-cache.md, "Prometheus names"). prometheus_cl
 `mlxcel_requests_total`.
 
 Multiprocess mode: each process writes its own files under PROMETHEUS_MULTIPROC_DIR, which must be
-set *before* prometheus_client is first imported (router.serve and the worker entry point do it).
-This module imports neither mlx nor fastapi: both sides import it.
+set *before* prometheus_client is first imported (router.serve does it). Only the router
+exposes metrics: workers publish theirs to Redis, and router.pool_metrics serves them.
 """
 
 from __future__ import annotations
