@@ -353,6 +353,22 @@ def test_unknown_route_and_wrong_method(client: httpx.Client) -> None:
 # --- discovery and health ------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    "path", ["/metrics", "/health", "/v1/models", "/v1/models/{model}", "/v1/cache/stats"]
+)
+def test_head_answers_like_get_without_a_body(
+    client: httpx.Client, model_id: str, path: str
+) -> None:
+    # Probes (aiperf's `HEAD /metrics`, load balancers) ask with HEAD: the GET answer, bodiless.
+    path = path.format(model=model_id)
+    got, head = client.get(path), client.head(path)
+    assert head.status_code == got.status_code, (path, head.status_code)
+    assert head.content == b""
+    assert head.headers["content-type"] == got.headers["content-type"]
+    # /metrics and /health bodies may change between two calls; their lengths are still sent.
+    assert int(head.headers["content-length"]) > 0
+
+
 def test_models_lists_the_served_model(client: httpx.Client, model_id: str) -> None:
     body = client.get("/v1/models").json()
     assert body["object"] == "list"

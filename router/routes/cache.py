@@ -15,7 +15,7 @@ from router.state import StateDep
 router = APIRouter()
 
 
-@router.get("/v1/cache/stats")
+@router.api_route("/v1/cache/stats", methods=["GET", "HEAD"])
 async def cache_stats(state: StateDep) -> Response:
     # orjson directly: FastAPI's jsonable_encoder walks every value of the per-worker breakdown.
     stats = await pool_cache_stats(state.pool_script)

@@ -11,7 +11,7 @@ from router.state import StateDep
 router = APIRouter()
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])
 async def health(state: StateDep) -> JSONResponse:
     healthy, body = await pool_health(state)
     return JSONResponse(body, status_code=200 if healthy else 503)

@@ -31,7 +31,7 @@ def _scrape(path: Path, workers: list[WorkerCacheSnapshot], pool: PoolCollector)
     return scrape(path, pool)
 
 
-@router.get("/metrics")
+@router.api_route("/metrics", methods=["GET", "HEAD"])
 async def metrics(state: StateDep) -> Response:
     workers = await read_pool(state.pool_script)
     families = pool_families(workers)

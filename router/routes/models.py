@@ -27,12 +27,12 @@ def _served(state: RouterState) -> list[dict[str, Any]]:
     return out
 
 
-@router.get("/v1/models")
+@router.api_route("/v1/models", methods=["GET", "HEAD"])
 async def list_models(state: StateDep) -> dict[str, Any]:
     return {"object": "list", "data": await anyio.to_thread.run_sync(_served, state)}
 
 
-@router.get("/v1/models/{model_id:path}")
+@router.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
 async def get_model(model_id: str, state: StateDep) -> dict[str, Any]:
     for model in await anyio.to_thread.run_sync(_served, state):
         if model["id"] == model_id:
