@@ -15,16 +15,9 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from mlxcel_pool.supervisor import EXIT_CONFIG, Pool, PoolError, ensure_model
-from shared.config import ConfigError, Settings, load_settings
+from mlxcel_pool.supervisor import Pool, PoolError, ensure_model
+from shared.config import EXIT_CONFIG, ConfigError, Settings, load_settings, positive_int
 from shared.redis_auth import PASSWORD_FILE, embedded_password, masked_url
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,9 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start Redis (unless REDIS_URL), the router and N workers")
     up.add_argument("--host", help="router bind address (router.host)")
     up.add_argument("--port", type=int, help="router port (router.port)")
-    up.add_argument("--workers", type=_positive, default=1, help="worker processes (default 1)")
+    up.add_argument("--workers", type=positive_int, default=1, help="worker processes (default 1)")
     up.add_argument("--model", help="model directory (model.path; default: the built-in model)")
-    up.add_argument("--router-processes", type=_positive, help="uvicorn processes")
+    up.add_argument("--router-processes", type=positive_int, help="uvicorn processes")
     up.add_argument("--ready-timeout", type=float, default=600.0, help="seconds until /health")
     up.add_argument("--log-dir", type=Path, help="child logs (default <cache_dir>/logs)")
     up.add_argument("--quiet", action="store_true", help="children's output in log files only")
@@ -54,12 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     router = sub.add_parser("router", help="run the HTTP router against REDIS_URL")
     router.add_argument("--host")
     router.add_argument("--port", type=int)
-    router.add_argument("--processes", type=_positive)
+    router.add_argument("--processes", type=positive_int)
 
     worker = sub.add_parser("worker", help="run one MLX worker against REDIS_URL")
     worker.add_argument("--model", help="model directory (default: the built-in model)")
     worker.add_argument("--worker-id", help="worker id (worker.id)")
-    worker.add_argument("--batch-size", type=_positive, help="max sequences decoded together")
+    worker.add_argument("--batch-size", type=positive_int, help="max sequences decoded together")
 
     # Parsed by devmodel.builder itself; listed here for --help.
     sub.add_parser("build-model", help="build the built-in model (see build-model --help)")

@@ -33,7 +33,7 @@ from devmodel.paths import is_built
 from mlxcel_pool.child_output import ChildOutput
 from mlxcel_pool.redis_server import EmbeddedRedis, RedisServerError, free_port, start_redis
 from mlxcel_pool.restarts import RestartLedger, RestartPolicy
-from shared.config import ENV_VARS, TRACE_ENV, ConfigError, Settings
+from shared.config import ENV_VARS, EXIT_CONFIG, TRACE_ENV, ConfigError, Settings
 from shared.model_facts import configured_model_dir
 from shared.redis_auth import embedded_password
 
@@ -63,10 +63,6 @@ class StopFlag(Protocol):
     """What `Pool.supervise` polls: a threading.Event, or the CLI's signal flag."""
 
     def wait(self, timeout: float) -> bool: ...
-
-
-# A child's (and the command's) exit code for settings or files it cannot use: never restarted.
-EXIT_CONFIG = 2
 
 
 def describe_exit(returncode: int) -> str:

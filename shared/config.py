@@ -29,8 +29,23 @@ from shared.redis_sentinel import is_sentinel_url, parse_sentinel_url
 DEFAULTS_PATH = Path(__file__).resolve().parent.parent / "config" / "defaults.toml"
 
 
+# Every process's exit code for settings or files it cannot use (the supervisor never restarts
+# a child that exits with it).
+EXIT_CONFIG = 2
+
+
 class ConfigError(ValueError):
     """A configuration value that cannot be used; the message says which and where from."""
+
+
+def positive_int(text: str) -> int:
+    """An argparse type for a command-line count: an int, at least 1."""
+    import argparse
+
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 class _Section(BaseModel):

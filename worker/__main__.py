@@ -8,16 +8,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from shared.config import ConfigError, Settings, load_settings
-
-EXIT_CONFIG = 2  # as `mlxcel-pool`'s: a bad configuration
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+from shared.config import EXIT_CONFIG, ConfigError, Settings, load_settings, positive_int
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", help="model directory (default: the built-in model)")
     parser.add_argument("--worker-id", help="worker id (worker.id)")
-    parser.add_argument("--batch-size", type=_positive, help="max sequences decoded together")
+    parser.add_argument("--batch-size", type=positive_int, help="max sequences decoded together")
     return parser
 
 

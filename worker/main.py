@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from shared.block_hash import BlockHasher, canary
 from shared.canary_check import CanaryMismatch, check_against_routers
-from shared.config import Settings
+from shared.config import EXIT_CONFIG, Settings
 from shared.gc_freeze import freeze_startup_heap
 from shared.model_facts import ModelConfigError, configured_model_dir
 from shared.redis_auth import masked_url
@@ -35,9 +35,9 @@ def run(settings: Settings) -> int:
         loop = build_worker(settings)
     except (CanaryMismatch, ModelDirError, ModelConfigError) as exc:
         log.error("%s", exc)
-        return 2
+        return EXIT_CONFIG
     if loop is None:
-        return 2
+        return EXIT_CONFIG
     from worker.broker.presence import WorkerIdInUse
 
     loop.install_signal_handlers()
@@ -52,7 +52,7 @@ def run(settings: Settings) -> int:
         loop.run()
     except WorkerIdInUse as exc:
         log.error("%s", exc)
-        return 2
+        return EXIT_CONFIG
     return 0
 
 
