@@ -173,7 +173,8 @@ class LogprobRenderer:
     def _offsets(self, tokens: list[TokenLogprob], end: int | None) -> list[int]:
         """Each token's `text_offset`. Tokens that came in one delta share its start; each is
         placed where the delta's text minus the text of it and the tokens after it ends (a
-        character split over tokens counts once), within the delta's span. A run longer than
+        character split over tokens counts once; a token inside one starts where it does), within
+        the delta's span. A run longer than
         EXACT_RUN (an echoed prompt) is placed by the characters the tokens from it to the run's
         end decode to, counted forward: linear, where the exact rule is quadratic in the run.
         Both count back from the run's end, so text before its tokens' own (a BOS's) is skipped."""
@@ -186,22 +187,39 @@ class LogprobRenderer:
             stop = tokens[j + 1].offset if j + 1 < len(tokens) else end
             if j > i and stop is not None:
                 start = tokens[i].offset
+                before, inside, chars = self._counted_forward(tokens[i : j + 1])
                 if j - i < EXACT_RUN:
                     tail = b""
                     for k in range(j, i, -1):
                         tail = self.table.bytes_of(tokens[k].token) + tail
-                        out[k] = min(max(start, stop - len(tail.decode("utf-8", "replace"))), stop)
+                        # A token inside a character (one of a 4-byte emoji's byte tokens) starts
+                        # where that character does: decoded alone, its orphan bytes would each
+                        # count as a U+FFFD and place it before the tokens ahead of it.
+                        after = (
+                            chars - before[k - i]
+                            if inside[k - i]
+                            else len(tail.decode("utf-8", "replace"))
+                        )
+                        out[k] = min(max(start, stop - after), stop)
                 else:  # each token's text before it, counted forward, placed from the end
-                    decoder, before = codecs.getincrementaldecoder("utf-8")("replace"), []
-                    chars = 0
-                    for k in range(i, j + 1):
-                        before.append(chars)
-                        chars += len(decoder.decode(self.table.bytes_of(tokens[k].token)))
-                    chars += len(decoder.decode(b"", final=True))
                     for k, seen in zip(range(i, j + 1), before, strict=True):
                         out[k] = min(max(start, stop - (chars - seen)), stop)
             i = j + 1
         return out
+
+    def _counted_forward(self, run: list[TokenLogprob]) -> tuple[list[int], list[bool], int]:
+        """For each token of a run: the characters its tokens before it decode to, and whether
+        it starts inside a character (bytes of one are pending); then the run's characters."""
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        before: list[int] = []
+        inside: list[bool] = []
+        chars = 0
+        for t in run:
+            before.append(chars)
+            inside.append(bool(decoder.getstate()[0]))
+            chars += len(decoder.decode(self.table.bytes_of(t.token)))
+        chars += len(decoder.decode(b"", final=True))
+        return before, inside, chars
 
     def _completion(self, tokens: list[TokenLogprob], end: int | None) -> dict[str, Any]:
         text_of = self.table.text_of

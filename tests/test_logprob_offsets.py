@@ -51,3 +51,25 @@ def test_text_before_the_tokens_own_shifts_nothing(repeat: int) -> None:
     text = bos + b"".join(PIECES[i] for i in ids).decode()
     got = renderer.render(tokens, len(text))["text_offset"]
     assert got[1:] == where(ids, start=len(bos))[1:]
+
+
+# "a 🚀 b" with the rocket as one token per byte, as a byte-level BPE tokenizer can emit it.
+BYTE_PIECES = [b"a", b" ", b"\xf0", b"\x9f", b"\x9a", b"\x80", b" b"]
+
+
+@pytest.mark.parametrize("repeat", [1, EXACT_RUN])
+def test_a_character_split_into_byte_tokens_never_goes_backwards(repeat: int) -> None:
+    """Every byte token of a 4-byte character starts where the character does (the text before
+    it): decoded alone, its orphan continuation bytes must not count as a U+FFFD each."""
+    renderer = LogprobRenderer(TokenTable(BYTE_PIECES), chat=False)
+    ids = list(range(len(BYTE_PIECES))) * repeat
+    tokens = [TokenLogprob(i, -1.0, [], 0) for i in ids]
+    got = renderer.render(tokens, len("a 🚀 b") * repeat)["text_offset"]
+    assert got[:7] == [0, 1, 2, 2, 2, 2, 3]
+    assert got == sorted(got)
+    # Equal to the length of the text emitted before each token (a pending character: none).
+    emitted = [
+        len(b"".join(BYTE_PIECES[i] for i in ids[:k]).decode(errors="ignore"))
+        for k in range(len(ids))
+    ]
+    assert got == emitted
