@@ -409,11 +409,6 @@ def chat_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
                 "which 'tools' does not declare.",
                 "tool_choice",
             )
-    if body.parallel_tool_calls is False and not _forces_call(body):
-        raise _invalid(
-            "'parallel_tool_calls: false' is not supported: the model may make several calls.",
-            "parallel_tool_calls",
-        )
     return tools
 
 

@@ -141,6 +141,9 @@ class ToolCallStream:
 
     parser: ToolParser
     tools: list[dict[str, Any]] | None = None
+    # `parallel_tool_calls: false`: 1. A call past it is dropped, text and all (vLLM's rule: the
+    # first parsed call is kept).
+    max_calls: int | None = None
     calls: list[dict[str, Any]] = field(default_factory=list)  # every call parsed so far
     _held: str = ""
     _inside: bool = False
@@ -185,6 +188,8 @@ class ToolCallStream:
         except Exception as exc:  # any parser's failure: the model's text was no valid call
             log.info("unparsed %s tool call (%s): sent as content", self.parser.name, exc)
             return raw
+        if self.max_calls is not None:
+            calls = calls[: max(0, self.max_calls - len(self.calls))]
         new.extend(calls)
         self.calls.extend(calls)
         return ""

@@ -122,10 +122,12 @@ def as_template_sees(turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def json_stream(tools: list[dict[str, Any]] | None = None) -> ToolCallStream:
+def json_stream(
+    tools: list[dict[str, Any]] | None = None, max_calls: int | None = None
+) -> ToolCallStream:
     parser = load_parser("json_tools")
     assert parser is not None
-    return ToolCallStream(parser, tools)
+    return ToolCallStream(parser, tools, max_calls)
 
 
 def feed_all(stream: ToolCallStream, pieces: list[str]) -> tuple[str, list[dict[str, Any]]]:
@@ -176,6 +178,18 @@ def test_stream_splits_content_and_calls(size: int) -> None:
     assert len({c["id"] for c in calls}) == 2
 
 
+@pytest.mark.parametrize("size", [1, 7, 1000])
+def test_one_call_at_most_keeps_the_first(size: int) -> None:
+    """`parallel_tool_calls: false`: the first parsed call is kept, a later one dropped (its
+    text too, as vLLM does); the content around them is unchanged."""
+    pieces = [TWO_CALLS[i : i + size] for i in range(0, len(TWO_CALLS), size)]
+    content, calls = feed_all(json_stream(max_calls=1), pieces)
+    assert content == "Let me check.  Done"
+    assert [c["function"] for c in calls] == [
+        {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    ]
+
+
 def test_marker_text_is_never_content_while_streaming() -> None:
     stream = json_stream()
     assert stream.feed("Hi <tool_") == ("Hi ", [])
@@ -209,6 +223,11 @@ def test_qwen3_coder_types_arguments_by_the_tools() -> None:
 # --- through the router, the test playing the worker --------------------------------------------
 
 CALL_TEXT = 'Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+TWO_CALLS = (
+    'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    '</tool_call><tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}'
+    "</tool_call> Done"
+)
 
 
 def call_events(prompt_len: int, text: str = CALL_TEXT) -> list[StreamEvent]:
@@ -281,6 +300,25 @@ def test_relay_streams_tool_call_deltas(
     assert deltas[-1]["finish_reason"] == "tool_calls"
 
 
+@pytest.mark.parametrize("choice", [{}, {"tool_choice": "auto"}])
+def test_parallel_tool_calls_false_returns_the_first_call(
+    router_url: str, r: redis.Redis, pool: ThreadPoolExecutor, model_id: str, choice: dict[str, Any]
+) -> None:
+    """Accepted with tool_choice auto or absent (the Agents SDK sends it): of the two calls the
+    model writes, only the first is returned."""
+    body = tools_body(model_id, parallel_tool_calls=False, **choice)
+    fut = pool.submit(post, router_url, "/v1/chat/completions", body)
+    _, req = take_job(r)
+    play(r, req, *call_events(len(req.prompt_tokens), TWO_CALLS))
+    resp = fut.result(15)
+    assert resp.status_code == 200, resp.text
+    message = resp.json()["choices"][0]["message"]
+    assert resp.json()["choices"][0]["finish_reason"] == "tool_calls"
+    assert message["content"] == "Let me check.  Done"
+    (call,) = message["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+
 def test_tool_choice_none_leaves_tools_out(
     router_url: str, r: redis.Redis, pool: ThreadPoolExecutor, hf: Any, model_id: str
 ) -> None:
@@ -329,7 +367,6 @@ def test_tool_choice_none_leaves_tools_out(
             },
             "tool_choice",
         ),
-        ({"parallel_tool_calls": False}, "parallel_tool_calls"),
         ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
         ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
     ],

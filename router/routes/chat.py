@@ -40,4 +40,5 @@ def _tool_streams(
     if parser is None:
         return None
     tools = chat_tools(body)
-    return lambda: ToolCallStream(parser, tools)
+    max_calls = 1 if body.parallel_tool_calls is False else None  # the first call only
+    return lambda: ToolCallStream(parser, tools, max_calls)
