@@ -78,7 +78,7 @@ from typing import Any
 
 import aiohttp
 import redis
-from common import announce, output_args, table, tiny_model_dir, write_json
+from common import announce, completion_body, output_args, table, tiny_model_dir, write_json
 from results import Results
 
 from shared import keys
@@ -224,24 +224,15 @@ class Reply:
     error: str = ""
 
 
-def body(model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    return {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-
-
 async def send(
     http: aiohttp.ClientSession, model: str, prompt: list[int], reply: Reply, max_tokens: int
 ) -> Reply:
     start = time.perf_counter()
     try:
         async with asyncio.timeout(REQUEST_TIMEOUT_S):
-            async with http.post("/v1/completions", json=body(model, prompt, max_tokens)) as resp:
+            async with http.post(
+                "/v1/completions", json=completion_body(model, prompt, max_tokens)
+            ) as resp:
                 reply.status = resp.status
                 reply.worker = resp.headers.get(WORKER_HEADER, "")
                 if resp.status != 200:

@@ -126,7 +126,7 @@ class StreamResult:
         return (self.completion_tokens - 1) / (self.last - self.first)
 
 
-def completion_body(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+def completion_body(model: str, prompt: str | list[int], max_tokens: int) -> dict[str, Any]:
     return {
         "model": model,
         "prompt": prompt,

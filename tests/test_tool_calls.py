@@ -487,8 +487,8 @@ def _tool(name: str, arg: str, values: list[str]) -> dict[str, Any]:
 CITY, ZONE = _tool("get_city", "city", ["Paris", "Rome"]), _tool("get_time", "zone", ["UTC", "CET"])
 
 
-def _forced(real_pool: Any, model_id: str, choice: Any, **extra: Any) -> dict[str, Any]:
-    body = {
+def _forced_body(model_id: str, choice: Any, **extra: Any) -> dict[str, Any]:
+    return {
         "model": model_id,
         "messages": [{"role": "user", "content": "Help?"}],
         "chat_template": TOOLS_TEMPLATE,
@@ -498,6 +498,10 @@ def _forced(real_pool: Any, model_id: str, choice: Any, **extra: Any) -> dict[st
         "temperature": 0,
         **extra,
     }
+
+
+def _forced(real_pool: Any, model_id: str, choice: Any, **extra: Any) -> dict[str, Any]:
+    body = _forced_body(model_id, choice, **extra)
     resp = httpx.post(f"{real_pool.url}/v1/chat/completions", json=body, timeout=60)
     assert resp.status_code == 200, resp.text
     return resp.json()
@@ -527,16 +531,7 @@ def test_a_named_tool_choice_calls_that_function(real_pool: Any, model_id: str) 
         assert call["function"]["name"] == "get_time"
         assert json.loads(call["function"]["arguments"])["zone"] in ("UTC", "CET")
     chunks = []
-    body = {
-        "model": model_id,
-        "messages": [{"role": "user", "content": "Help?"}],
-        "chat_template": TOOLS_TEMPLATE,
-        "tools": [CITY, ZONE],
-        "tool_choice": named,
-        "max_tokens": 64,
-        "temperature": 0,
-        "stream": True,
-    }
+    body = _forced_body(model_id, named, stream=True)
     with httpx.stream(
         "POST", f"{real_pool.url}/v1/chat/completions", json=body, timeout=60
     ) as streamed:
