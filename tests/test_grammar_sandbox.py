@@ -67,15 +67,12 @@ def test_the_real_chain_past_the_bounds_crashes_a_helper_not_the_router(
         grammar_for({"type": "json_schema", "json_schema": chain}, tok)
 
 
-def test_a_small_schema_costs_little_more_in_a_helper(tok: PromptTokenizer) -> None:
+def test_the_helpers_are_reused_not_started_per_request(tok: PromptTokenizer) -> None:
     grammar_for(JSON_SCHEMA, tok)  # the helper started, the tokenizer loaded
-    runs = []
+    started = sandbox()._started
     for _ in range(50):
-        started = time.perf_counter()
-        grammar_for(JSON_SCHEMA, tok)
-        runs.append(time.perf_counter() - started)
-    assert sorted(runs)[25] < 0.05, runs
-    assert sandbox()._started >= 1  # reused: no process per request
+        assert grammar_for(JSON_SCHEMA, tok) is not None
+    assert started >= 1 and sandbox()._started == started  # no process per request
 
 
 # -- through a pool ----------------------------------------------------------------------------
