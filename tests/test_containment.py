@@ -10,7 +10,6 @@ the compile is done, and a grammar that does not compile fails its requests alon
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from typing import Any
@@ -314,9 +313,8 @@ def test_a_real_compile_thread_keeps_the_stream_going(tiny: Model) -> None:
         specs = choices(0, 4, grammar)
         for s in specs:
             run.add(engine.admit(s))
-        began = time.monotonic()
+        # Bounded in steps (step_watching's limit), each one giving the stream its token.
         step_watching(engine, run, lambda: all(s.request_id in run.ended for s in specs))
-        assert time.monotonic() - began < 30
         for s in specs:
             assert run.last(s.request_id).kind == "done"
     finally:

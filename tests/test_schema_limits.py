@@ -5,7 +5,6 @@ tiny model's real tokenizer, no pool."""
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -106,9 +105,7 @@ def test_a_real_schema_passes() -> None:
             for i in range(90)
         },
     }
-    started = time.perf_counter()
-    check_schema(wide, "'s'")  # 1,890 properties, about 100 KB
-    assert time.perf_counter() - started < 1.0
+    check_schema(wide, "'s'")  # 1,890 properties, about 100 KB: within every limit
 
 
 def test_lark_rules_and_embedded_json_schemas() -> None:
