@@ -148,7 +148,7 @@ def main() -> int:
                 t = time.perf_counter()
                 client.get(url.replace("/v1/cache/stats", "/v1/models"))
                 floor_ms.append((time.perf_counter() - t) * 1000)
-        from router.cache_stats import _ARGS, READ_POOL_LUA
+        from router.pool_view.cache_stats import _ARGS, READ_POOL_LUA
 
         lua = r.register_script(READ_POOL_LUA)
         lua_ms = []

@@ -86,7 +86,7 @@ from shared.liveness import min_alive_pttl_ms
 from tests.pool_fixture import running_pool, wait_for
 
 POLICIES = ("cache_aware", "least_loaded", "round_robin")
-# router.routes.generation.WORKER_HEADER (not imported: that pulls in the router's whole stack)
+# router.relay.streams.WORKER_HEADER (not imported: that pulls in the router's whole stack)
 WORKER_HEADER = "X-Mlxcel-Worker"
 FIRST_ID, VOCAB = 5, 1024  # ids 0-4 are the tiny model's special tokens
 SYSTEM_TOKENS = (256, 512)

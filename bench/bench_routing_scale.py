@@ -11,19 +11,18 @@ tiny model only for its tokenizer) serve everything, with admission bounds far a
 sent (no 429). Workers are added doubling, 1, 2, 4, ... 64 (--quick: 1, 4, 16), and at each
 count:
 
-1. Decisions: `AdmissionLedger.reserve` (router/placement.lua over real Redis) timed from this
-   process, one at a time, for 1,024-token prompts (64 blocks): 3 of 4 start with a random
-   worker's family, the rest match nothing. Each reservation is released right after, through
-   EVAL (the ledger's own keys and arguments), so INFO commandstats' EVALSHA line times the
-   placement script alone. Reported: p50/p99 of reserve's round trip, the script's own Redis
-   time per call, and Redis CPU per reserve + release (INFO cpu used_cpu_sys + used_cpu_user,
-   less Redis's idle rate measured just before), with the outcomes.
-2. Relay cost: streaming /v1/completions (token-id prompts of the same shape) from `--streams`
-   (32) closed-loop clients, a synthetic step every 20 ms with 1 token (50 tokens/s a stream),
-   in two windows after a warm-up: max_tokens 1, then max_tokens 32..96 (64 on average). The
-   router's CPU (psutil: its process and children) and Redis's are split into a cost per
-   routed request and one per relayed token by solving cpu = a * requests + b * tokens over
-   the two windows.
+1. Decisions: `AdmissionLedger.reserve` (router/placement/placement.lua over real Redis) timed from
+this process, one at a time, for 1,024-token prompts (64 blocks): 3 of 4 start with a random
+worker's family, the rest match nothing. Each reservation is released right after, through EVAL (the
+ledger's own keys and arguments), so INFO commandstats' EVALSHA line times the placement script
+alone. Reported: p50/p99 of reserve's round trip, the script's own Redis time per call, and Redis
+CPU per reserve + release (INFO cpu used_cpu_sys + used_cpu_user, less Redis's idle rate measured
+just before), with the outcomes. 2. Relay cost: streaming /v1/completions (token-id prompts of the
+same shape) from `--streams` (32) closed-loop clients, a synthetic step every 20 ms with 1 token (50
+tokens/s a stream), in two windows after a warm-up: max_tokens 1, then max_tokens 32..96 (64 on
+average). The router's CPU (psutil: its process and children) and Redis's are split into a cost per
+routed request and one per relayed token by solving cpu = a * requests + b * tokens over the two
+windows.
 
 Then, all workers up, the relay curve: streams of max_tokens 128..384 (256 on average) at rising
 concurrency (8, 32, 128, 256; --quick 16, 64), the workers now emitting 4 tokens (4 delta
@@ -63,7 +62,7 @@ import redis
 import redis.asyncio as aioredis
 from common import REPO, announce, output_args, table, tiny_model_dir, write_json
 
-from router.admission_ledger import RELEASE_LUA, AdmissionLedger, Placement
+from router.placement.ledger import RELEASE_LUA, AdmissionLedger, Placement
 from shared import keys
 from shared.block_hash import BlockHasher, CacheNamespace, index_members
 from shared.config import Settings, load_settings

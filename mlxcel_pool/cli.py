@@ -177,7 +177,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             "model": {"path": args.model},
         }
     )
-    from router.auth import load_access
+    from router.edge.auth import load_access
 
     load_access(settings.auth)  # a bad key file stops `up` here (exit 2), not in the router child
     pool = Pool(

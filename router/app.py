@@ -20,21 +20,22 @@ import anyio
 import redis
 from fastapi import FastAPI
 
-from router.admission import AdmissionContext
-from router.admission_ledger import AdmissionLedger
-from router.auth import install_auth, load_access
-from router.body_limit import BodyLimit
-from router.busy_gate import BusyGateMiddleware
-from router.cache_stats import register_pool_script
-from router.dispatch import Dispatcher, build_queue
-from router.errors import install_error_handlers
+from router.admission.admit import AdmissionContext
+from router.admission.tokenization import load_tokenizer
+from router.edge.auth import install_auth, load_access
+from router.edge.body_limit import BodyLimit
+from router.edge.busy_gate import BusyGateMiddleware
+from router.edge.errors import install_error_handlers
 from router.metrics import init_labels
-from router.model_catalog import ModelCatalog
+from router.placement.ledger import AdmissionLedger
+from router.placement.place import Placer
+from router.pool_view.cache_stats import register_pool_script
+from router.pool_view.model_catalog import ModelCatalog
+from router.relay.dispatch import Dispatcher, build_queue
+from router.relay.stream_hub import StreamHub
 from router.routes import cache, chat, completions, health, metrics, models
 from router.serve import SETTINGS_ENV
 from router.state import RouterState
-from router.stream_hub import StreamHub
-from router.tokenization import load_tokenizer
 from shared.block_hash import BlockHasher, canary
 from shared.canary_check import check_against_workers
 from shared.config import Settings, load_settings
@@ -144,6 +145,7 @@ async def _build_state(settings: Settings) -> RouterState:
         queue_key=queue.key,
         model_created=created,
         hasher=hasher,
+        placer=Placer(ledger, sync_redis, hasher, model_id, settings.admission.retry_after_s),
     )
 
 

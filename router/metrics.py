@@ -6,7 +6,7 @@ Names follow the spec (docs: prompt-cache.md, "Prometheus names"). prometheus_cl
 
 Multiprocess mode: each process writes its own files under PROMETHEUS_MULTIPROC_DIR, which must be
 set *before* prometheus_client is first imported (router.serve does it). Only the router
-exposes metrics: workers publish theirs to Redis, and router.pool_metrics serves them.
+exposes metrics: workers publish theirs to Redis, and router.pool_view.pool_metrics serves them.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from prometheus_client.registry import Collector
 
 # The workers' series (prompt cache, requests, tokens, batches, queue depth) are not declared
 # here: workers publish those numbers to Redis and the router serves them from there for the
-# whole pool (router/pool_metrics.py), so one scrape covers workers on every host.
+# whole pool (router/pool_view/pool_metrics.py), so one scrape covers workers on every host.
 
 # --- router ----------------------------------------------------------------------------------
 REQUEST_TTFT_MS = Histogram(
@@ -51,7 +51,7 @@ ADMISSION_REFUSED = Counter(
 )
 ADMISSION_REASONS = ("inflight", "tokens")
 
-# Routing (router side; outcomes as router/placement.lua names them).
+# Routing (router side; outcomes as router/placement/placement.lua names them).
 ROUTING_OUTCOMES = ("cache", "spill", "load", "round_robin", "no_worker")
 ROUTING_DECISIONS = Counter(
     "mlxcel_routing_decisions", "Routing decisions by outcome.", ["outcome"]

@@ -38,7 +38,7 @@ def log_config() -> dict[str, Any]:
 
 
 def main(settings: Settings) -> None:
-    from router.auth import load_access
+    from router.edge.auth import load_access
 
     # Read the key files here too, so a missing one is a config error (exit 2) before uvicorn
     # starts processes that would each fail on it.

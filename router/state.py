@@ -10,8 +10,9 @@ import redis.asyncio as aioredis
 from fastapi import Depends, Request
 from redis.commands.core import AsyncScript
 
-from router.dispatch import Dispatcher
-from router.model_catalog import ModelCatalog
+from router.placement.place import Placer
+from router.pool_view.model_catalog import ModelCatalog
+from router.relay.dispatch import Dispatcher
 from shared.block_hash import BlockHasher
 from shared.config import Settings
 
@@ -30,6 +31,7 @@ class RouterState:
     model_created: int
     # The prompt cache's block hashing, for routing (shared.block_hash).
     hasher: BlockHasher
+    placer: Placer  # where each admitted prompt goes (router.placement.place)
 
 
 def get_state(request: Request) -> RouterState:

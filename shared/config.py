@@ -98,7 +98,7 @@ class AdmissionConfig(_Section):
     reservation_ttl_s: float = Field(30.0, gt=1)
     retry_after_s: int = Field(1, ge=1)
     # After a refusal at the bound of requests in flight, a router process refuses at its door
-    # (router/busy_gate.py) for this long or until one of its own requests ends; 0: never.
+    # (router/edge/busy_gate.py) for this long or until one of its own requests ends; 0: never.
     busy_hold_ms: float = Field(25, ge=0, le=60_000)
 
 
@@ -212,7 +212,8 @@ class SupervisorConfig(_Section):
 
 
 class AuthConfig(_Section):
-    """Who may call the router (router/auth.py reads the keys). No key anywhere: auth is off."""
+    """Who may call the router (router/edge/auth.py reads the keys). No key anywhere: auth is
+    off."""
 
     # Comma-separated. SecretStr: a repr or log of the settings shows `**********`, never a key.
     api_keys: SecretStr = SecretStr("")

@@ -29,8 +29,8 @@ MAX_REPETITION_PENALTY = 10.0  # repetition_penalty lies in (0, MAX_REPETITION_P
 MAX_LOGIT_BIAS = 100.0  # each logit_bias value lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]
 MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_TOP_LOGPROBS = 20  # the most alternatives a sampled token's logprob entry lists
-# The largest grammar (response_format compiled by router.structured_output, UTF-8 bytes) a
-# request may carry: its compile time is bounded with its size.
+# The largest grammar (response_format compiled by router.admission.structured_output, UTF-8 bytes)
+# a request may carry: its compile time is bounded with its size.
 MAX_GRAMMAR_BYTES = 256 * 1024
 # llguidance's parser limits (`LLParserLimits` keywords) for the router's check and the worker's
 # matcher alike. A tenth of its default initial lexer fuel: a pathological regex such as

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from router.admission import (
+from router.admission.admit import (
     MAX_STOP_SEQUENCES,
     Admission,
     AdmissionContext,
@@ -22,9 +22,9 @@ from router.admission import (
     admit_chat,
     admit_completion,
 )
-from router.errors import error_body, validation_failure
-from router.openai_types import ChatCompletionRequest, CompletionRequest
-from router.tokenization import load_tokenizer
+from router.admission.tokenization import load_tokenizer
+from router.edge.errors import error_body, validation_failure
+from router.edge.openai_types import ChatCompletionRequest, CompletionRequest
 from shared.wire import MAX_SEED, GenerationRequest, pack, unpack
 
 MODEL = "served-model"  # the id admission is told it serves (the tiny model, renamed)
@@ -51,7 +51,7 @@ SAMPLING = {
     "user": CLEAN,
     "prompt_cache_key": CLEAN,
     "n": st.just(1),
-    # Each type, with its payload well formed or any JSON (router.structured_output).
+    # Each type, with its payload well formed or any JSON (router.admission.structured_output).
     "response_format": st.fixed_dictionaries(
         {"type": st.sampled_from(["text", "json_object", "json_schema", "regex", "grammar"])},
         optional={
@@ -134,7 +134,7 @@ def check(
 PROPERTY = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-@pytest.mark.pool  # its grammars compile in router.grammar_sandbox helper processes
+@pytest.mark.pool  # its grammars compile in router.admission.grammar_sandbox helper processes
 @PROPERTY
 @given(bodies(COMPLETION, SAMPLING))
 def test_any_completion_body_is_refused_or_admitted_for_the_wire(

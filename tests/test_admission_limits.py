@@ -16,10 +16,10 @@ import redis
 import redis.asyncio as aioredis
 from rq import Queue
 
-from router.admission import MAX_CHARS_PER_TOKEN, AdmissionContext, admit_chat
-from router.admission_ledger import AdmissionLedger, Refusal
-from router.openai_types import ChatCompletionRequest
-from router.tokenization import load_tokenizer
+from router.admission.admit import MAX_CHARS_PER_TOKEN, AdmissionContext, admit_chat
+from router.admission.tokenization import load_tokenizer
+from router.edge.openai_types import ChatCompletionRequest
+from router.placement.ledger import AdmissionLedger, Refusal
 from shared import keys
 from shared.config import (
     AdmissionConfig,
@@ -310,7 +310,7 @@ def test_a_requests_own_chat_template_is_refused_unless_trusted(
 
 
 def test_too_many_messages_are_refused(router_url: str, tiny_model_dir: Path) -> None:
-    from router.admission import MAX_MESSAGES
+    from router.admission.admit import MAX_MESSAGES
 
     body = {
         "model": tiny_model_dir.resolve().name,

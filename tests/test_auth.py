@@ -24,7 +24,7 @@ from fastapi.routing import iter_route_contexts
 from mlxcel_pool.redis_server import EmbeddedRedis, free_port
 from mlxcel_pool.supervisor import settings_env
 from router.app import create_app
-from router.auth import ADMIN_PATHS, Access, Denial, load_access
+from router.edge.auth import ADMIN_PATHS, Access, Denial, load_access
 from shared.config import AuthConfig, ConfigError, Settings, load_settings
 from tests.test_router_validation import RouterServer, assert_error
 

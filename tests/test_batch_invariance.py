@@ -15,7 +15,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from router.cache_stats import read_pool, register_pool_script
+from router.pool_view.cache_stats import read_pool, register_pool_script
 from shared import keys
 from shared.cache_stats import merge_pool
 from shared.config import WorkerConfig

@@ -1,4 +1,4 @@
-"""Load shedding at the door (router/busy_gate.py): after the ledger refuses a request at the
+"""Load shedding at the door (router/edge/busy_gate.py): after the ledger refuses a request at the
 bound of requests in flight, the router process answers 429 without reading the next requests,
 until its hold lapses or one of its own requests ends. The gate alone on an injected clock, then
 the real router app on a real Redis, its only slot held by another router's reservation."""
@@ -15,8 +15,8 @@ import redis
 import redis.asyncio as aioredis
 from pydantic import SecretStr
 
-from router.admission_ledger import AdmissionLedger, Placement
-from router.busy_gate import BusyGate
+from router.edge.busy_gate import BusyGate
+from router.placement.ledger import AdmissionLedger, Placement
 from shared import keys
 from shared.config import AdmissionConfig, AuthConfig, PromptCacheConfig, RoutingConfig
 from shared.model_facts import model_id_for

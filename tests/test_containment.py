@@ -27,8 +27,8 @@ from worker.engine.request import RequestStatus
 CHUNK = settings().worker.prefill_step_size
 LONG_PROMPT = [(7 + i * 31) % 1000 + 5 for i in range(2000)]  # 2,000 ids: 8 chunks of 256
 RUNNING = [5, 6, 7, 8, 9, 10]
-# router/structured_output.py's JSON options (compact JSON), not imported: the engine's tests
-# need no router.
+# router/admission/structured_output.py's JSON options (compact JSON), not imported: the engine's
+# tests need no router.
 JSON_DEFAULTS = {"whitespace_flexible": False}
 # A 1,200-property schema, every property required (a choice's 6 tokens end it early).
 FIELDS = [f"field_{i}" for i in range(1200)]

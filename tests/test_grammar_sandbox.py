@@ -1,8 +1,8 @@
 """A request whose grammar crashes llguidance fails alone (issue 19): the helper processes that
-run llguidance's check for a router process (router/grammar_sandbox.py), on the real llguidance
-and the tiny model's tokenizer; then a real pool whose one router process answers the $ref chain
-(as a response_format and as a forced tool call's parameters) with a 400 while its other streams
-finish, quotes a huge unknown model name short, and refuses a prompt past the tokenizer's
+run llguidance's check for a router process (router/admission/grammar_sandbox.py), on the real
+llguidance and the tiny model's tokenizer; then a real pool whose one router process answers the
+$ref chain (as a response_format and as a forced tool call's parameters) with a 400 while its other
+streams finish, quotes a huge unknown model name short, and refuses a prompt past the tokenizer's
 character bound untokenized."""
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import httpx
 import pytest
 from llguidance import LLMatcher
 
-from router import structured_output
-from router.grammar_sandbox import GrammarSandbox, HelperCrashed, HelperTimeout, sandbox
-from router.structured_output import JSON_DEFAULTS, FormatError, grammar_for
-from router.tokenization import PromptTokenizer, load_tokenizer
+from router.admission import structured_output
+from router.admission.grammar_sandbox import GrammarSandbox, HelperCrashed, HelperTimeout, sandbox
+from router.admission.structured_output import JSON_DEFAULTS, FormatError, grammar_for
+from router.admission.tokenization import PromptTokenizer, load_tokenizer
 from tests.pool_fixture import TINY_MODEL, ok, post, running_pool, sse_events
 from tests.test_schema_limits import ref_chain
 from tests.test_structured_output import JSON_SCHEMA, assert_matches_schema

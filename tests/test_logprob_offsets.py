@@ -1,4 +1,4 @@
-"""`text_offset` of tokens that came in one delta (router/logprobs.py): each token is placed
+"""`text_offset` of tokens that came in one delta (router/relay/logprobs.py): each token is placed
 where its text starts in the returned text, by the exact rule for a short run and forward for a
 long one (an echoed prompt), and both agree on text whose characters each fit one token."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.logprobs import EXACT_RUN, LogprobRenderer, TokenLogprob, TokenTable
+from router.relay.logprobs import EXACT_RUN, LogprobRenderer, TokenLogprob, TokenTable
 
 PIECES = [b"The", b" quick", b" brown", b" fox", b"\xe6\x9d", b"\xb1", b" caf\xc3", b"\xa9"]
 

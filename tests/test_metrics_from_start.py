@@ -25,7 +25,7 @@ pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
 
 REPO = Path(__file__).resolve().parent.parent
 DASHBOARD = REPO / "docs" / "grafana-dashboard.json"
-PLACEMENT = REPO / "router" / "placement.lua"
+PLACEMENT = REPO / "router" / "placement" / "placement.lua"
 
 # PromQL string literals (a label value may spell a metric-like name: it is not one).
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')

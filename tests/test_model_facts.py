@@ -124,7 +124,7 @@ def test_configured_model_dir(tmp_path: Path) -> None:
 
 
 def test_router_tokenizer_agrees_with_model_facts(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from router.tokenization import load_tokenizer
+    from router.admission.tokenization import load_tokenizer
 
     facts = model_facts(tiny_model_dir)
     assert facts.context_from_config is True

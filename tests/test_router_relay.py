@@ -20,8 +20,8 @@ from rq.results import Result
 from transformers import AutoTokenizer
 
 from mlxcel_pool.redis_server import EmbeddedRedis
-from router.dispatch import CANCELLED_STREAM_TTL_S
-from router.tokenization import template_signature
+from router.admission.tokenization import template_signature
+from router.relay.dispatch import CANCELLED_STREAM_TTL_S
 from shared import keys, liveness
 from shared.wire import (
     JOB_FUNC,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from router.tokenization import load_tokenizer
+from router.admission.tokenization import load_tokenizer
 from shared import keys
 from shared.block_hash import BlockHasher, canary
 from shared.canary_check import CanaryMismatch, check_against_workers

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import redis
 
-from router.routes.generation import WORKER_HEADER
+from router.relay.streams import WORKER_HEADER
 from shared import keys
 from shared.block_hash import BlockHasher, CacheNamespace, index_members
 from tests.pool_fixture import TINY_MODEL, complete_tokens, running_pool, wait_for

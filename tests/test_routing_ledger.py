@@ -12,7 +12,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from router.admission_ledger import AdmissionLedger, Placement, Refusal
+from router.placement.ledger import AdmissionLedger, Placement, Refusal
 from shared import keys
 from shared.block_hash import BlockHasher, CacheNamespace, index_members
 from shared.config import AdmissionConfig, PromptCacheConfig, RoutingConfig

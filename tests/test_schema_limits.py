@@ -1,6 +1,6 @@
 """The bounds on what reaches llguidance (shared/schema_limits.py), the 404's quoting of a model
-name, and the tokenizer's character bound and lanes (router/tokenization.py): pure Python and the
-tiny model's real tokenizer, no pool."""
+name, and the tokenizer's character bound and lanes (router/admission/tokenization.py): pure Python
+and the tiny model's real tokenizer, no pool."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ from typing import Any
 
 import pytest
 
-from router.admission import MAX_CHARS_PER_TOKEN, quoted
-from router.model_catalog import unknown_model_message
-from router.tokenization import (
+from router.admission.admit import MAX_CHARS_PER_TOKEN, quoted
+from router.admission.tokenization import (
     LARGE_TEXT_CHARS,
     MIN_CHARS_PER_TOKEN,
     TokenizerPool,
     chars_per_token_bound,
     load_tokenizer,
 )
+from router.pool_view.model_catalog import unknown_model_message
 from shared.schema_limits import LIMITS, SchemaLimitError, check_lark, check_schema
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from llguidance import LLMatcher
 
-from router.structured_output import JSON_DEFAULTS
+from router.admission.structured_output import JSON_DEFAULTS
 from shared.model_facts import model_facts
 from shared.wire import MAX_GRAMMAR_BYTES
 from tests.pool_fixture import ok, post, running_pool, sse_events

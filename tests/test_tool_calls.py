@@ -1,5 +1,6 @@
 """Chat for tools and agents: every role, `tools` / `tool_choice` / `chat_template_kwargs` reaching
-the chat template, and tool calls parsed from the output (router.tool_calls) into `tool_calls`.
+the chat template, and tool calls parsed from the output (router.admission.tool_calls) into
+`tool_calls`.
 
 The tiny model has random weights and a 1024-token vocabulary with no tool-call tokens: left to
 itself it never writes a tool call. So the parsing is tested on mlx-lm's real parsers with real
@@ -24,7 +25,7 @@ import httpx
 import pytest
 import redis
 
-from router.tool_calls import ToolCallStream, infer_parser_name, load_parser
+from router.admission.tool_calls import ToolCallStream, infer_parser_name, load_parser
 from shared.wire import StreamEvent
 from tests.pool_fixture import running_pool
 from tests.test_router_relay import (  # noqa: F401  (fixtures)
@@ -151,7 +152,7 @@ def test_template_picks_mlx_lm_parser(hf: Any) -> None:
 @pytest.mark.pool
 def test_router_loads_parsers_without_mlx() -> None:
     code = (
-        "import sys; from router.tool_calls import load_parser\n"
+        "import sys; from router.admission.tool_calls import load_parser\n"
         "for name in ('json_tools', 'qwen3_coder', 'laguna', 'mistral'):\n"
         "    assert load_parser(name) is not None, name\n"
         "assert load_parser('no_such_parser') is None\n"
@@ -554,8 +555,8 @@ def test_a_forced_call_grammar_follows_the_parameters_own_refs(tiny_model_dir: P
     parameters schema is refused."""
     from llguidance import LLMatcher
 
-    from router.structured_output import FormatError, forced_call_grammar
-    from router.tokenization import load_tokenizer
+    from router.admission.structured_output import FormatError, forced_call_grammar
+    from router.admission.tokenization import load_tokenizer
 
     tok = load_tokenizer(tiny_model_dir, 1)
     parser = load_parser("json_tools")

@@ -7,9 +7,9 @@ from typing import Any
 import orjson
 from fastapi import APIRouter, Response
 
-from router.cache_control import reset_pool_cache
-from router.cache_stats import pool_cache_stats, read_pool
-from router.routing_stats import routing_stats
+from router.placement.routing_stats import routing_stats
+from router.pool_view.cache_control import reset_pool_cache
+from router.pool_view.cache_stats import pool_cache_stats, read_pool
 from router.state import StateDep
 
 router = APIRouter()

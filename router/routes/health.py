@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from router.pool_health import pool_health
+from router.pool_view.pool_health import pool_health
 from router.state import StateDep
 
 router = APIRouter()

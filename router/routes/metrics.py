@@ -1,6 +1,6 @@
 """GET /metrics: the router processes' own series (prometheus_client multiprocess mode) and the
-pool's worker series, read from Redis at scrape time (router/pool_metrics.py): one scrape covers
-the workers of every host."""
+pool's worker series, read from Redis at scrape time (router/pool_view/pool_metrics.py): one scrape
+covers the workers of every host."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import GaugeMetricFamily
 
-from router.cache_stats import read_pool
 from router.metrics import scrape
-from router.pool_health import queue_depths
-from router.pool_metrics import PoolCollector, pool_families
-from router.routing_metrics import init_worker_series
+from router.placement.routing_metrics import init_worker_series
+from router.pool_view.cache_stats import read_pool
+from router.pool_view.pool_health import queue_depths
+from router.pool_view.pool_metrics import PoolCollector, pool_families
 from router.state import StateDep
 from shared.cache_stats import WorkerCacheSnapshot
 

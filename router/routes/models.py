@@ -1,5 +1,5 @@
 """GET /v1/models and /v1/models/{id}: the router's own model, and every other one a live
-worker serves (router/model_catalog.py)."""
+worker serves (router/pool_view/model_catalog.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 import anyio
 from fastapi import APIRouter
 
-from router.admission import quoted
-from router.errors import APIError
+from router.admission.admit import quoted
+from router.edge.errors import APIError
 from router.state import RouterState, StateDep
 
 router = APIRouter()

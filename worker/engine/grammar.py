@@ -1,5 +1,6 @@
 """Structured outputs while decoding: a request's grammar (`GenerationRequest.grammar`, which
-router/structured_output.py compiled from its `response_format`) as one more logits processor.
+router/admission/structured_output.py compiled from its `response_format`) as one more logits
+processor.
 
 `GrammarConstraint` holds the sequence's llguidance `LLMatcher`, a copy of the one its grammar
 compiled to (worker/engine/grammar_compile.py compiles each grammar once, off the loop). Each

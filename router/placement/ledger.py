@@ -22,16 +22,16 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from router.busy_gate import BusyGate
-from router.routing_metrics import observe_start
+from router.edge.busy_gate import BusyGate
+from router.placement.routing_metrics import observe_start
 from shared import keys
 from shared.config import AdmissionConfig, PromptCacheConfig, RoutingConfig
 from shared.liveness import min_alive_pttl_ms
 
 log = logging.getLogger(__name__)
 
-# Admission and placement: one script (router/placement.lua), so a bound and a worker's slot
-# are decided and reserved together.
+# Admission and placement: one script (router/placement/placement.lua), so a bound and a worker's
+# slot are decided and reserved together.
 PLACE_LUA = (Path(__file__).with_name("placement.lua")).read_text()
 
 # A request started: its prompt tokens stop waiting, its load entry follows the worker that took
@@ -163,7 +163,7 @@ class AdmissionLedger:
         # the routed marks each wrote: request id -> (worker, their score, the members)
         self._marks: dict[str, tuple[str, int, list[bytes]]] = {}
         self._task: asyncio.Task[None] | None = None
-        # Remembers the last refusal at a bound of requests in flight (router.busy_gate).
+        # Remembers the last refusal at a bound of requests in flight (router.edge.busy_gate).
         self.gate = BusyGate(config.busy_hold_ms / 1000)
 
     def reserve(

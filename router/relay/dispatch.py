@@ -23,8 +23,8 @@ from rq import Queue
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 
-from router.admission_ledger import AdmissionLedger
-from router.stream_hub import Entry, StreamHub
+from router.placement.ledger import AdmissionLedger
+from router.relay.stream_hub import Entry, StreamHub
 from shared import keys
 from shared.liveness import WORKER_LOST_MARK, lost_verdict
 from shared.wire import (

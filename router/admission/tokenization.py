@@ -21,7 +21,7 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from router.tool_calls import ToolParser, infer_parser_name, load_parser
+from router.admission.tool_calls import ToolParser, infer_parser_name, load_parser
 from shared.block_hash import template_signature
 from shared.model_facts import FALLBACK_CONTEXT, ModelConfigError, model_facts
 
@@ -102,9 +102,11 @@ class PromptTokenizer:
     default_template: str | None
     # A text longer than context_length times this cannot fit (load_tokenizer sets it).
     max_chars_per_token: int = MAX_CHARS_PER_TOKEN
-    # Names this tokenizer to the grammar helpers (router.grammar_sandbox), which hold its view.
+    # Names this tokenizer to the grammar helpers (router.admission.grammar_sandbox), which hold its
+    # view.
     grammar_key: str = field(default_factory=lambda: uuid.uuid4().hex, compare=False)
-    # llguidance's view of this tokenizer as its parts (router.structured_output), built once.
+    # llguidance's view of this tokenizer as its parts (router.admission.structured_output), built
+    # once.
     _grammar_view: Any = field(default=None, init=False, repr=False, compare=False)
     _ll_tokenizer: Any = field(default=None, init=False, repr=False, compare=False)
     _grammar_lock: threading.Lock = field(
@@ -173,8 +175,8 @@ class PromptTokenizer:
     def grammar_spec(self) -> tuple[str, int, Any]:
         """llguidance's tokenizer as the parts llguidance.hf.from_tokenizer builds it from (the
         tokenizer's JSON, the vocabulary size, the EOS id), which the grammar helpers load once
-        each (router.grammar_sandbox); built on the first request that needs it. ValueError: not
-        a fast tokenizer."""
+        each (router.admission.grammar_sandbox); built on the first request that needs it.
+        ValueError: not a fast tokenizer."""
         with self._grammar_lock:
             return self._spec_locked()
 

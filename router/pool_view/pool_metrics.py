@@ -2,8 +2,8 @@
 
 Workers on any host write their counters (deltas, HINCRBY: they never go backwards, and a dead
 worker's still count) and gauges into their Redis hashes each step; the router reads them all in
-one script (router.cache_stats.read_pool) at scrape time and exposes them under the spec's names
-(../shared/spec/prompt-cache.md), summed over the pool. So one scrape of any router covers a
+one script (router.pool_view.cache_stats.read_pool) at scrape time and exposes them under the spec's
+names (../shared/spec/prompt-cache.md), summed over the pool. So one scrape of any router covers a
 multi-host pool, and no worker needs a port of its own. Every router serves the same pool-wide
 values: scrape one router per pool, or aggregate across routers with `max`, not `sum`.
 """

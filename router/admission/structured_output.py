@@ -13,9 +13,9 @@ grammar that compiled at the router.
 regex or grammar past a bound of shared/schema_limits.py (checked before llguidance sees it: past
 them its compiler overflows the native stack), past `MAX_GRAMMAR_BYTES`, or one llguidance
 refuses. llguidance's check against the tokenizer runs in a helper process
-(router/grammar_sandbox.py), so a grammar that still crashes it costs only its own request. The
-worker enforces it while decoding (worker/engine/grammar.py). JSON is compact (no whitespace
-between tokens) unless a schema's own `x-guidance` options say otherwise: with flexible
+(router/admission/grammar_sandbox.py), so a grammar that still crashes it costs only its own
+request. The worker enforces it while decoding (worker/engine/grammar.py). JSON is compact (no
+whitespace between tokens) unless a schema's own `x-guidance` options say otherwise: with flexible
 whitespace a model can pad forever, and a bounded schema would no longer bound the output.
 
 Imports llguidance (no mlx): its compiler and validator are plain Rust behind Python.
@@ -28,7 +28,7 @@ from typing import Any
 
 from llguidance import LLMatcher
 
-from router.grammar_sandbox import (
+from router.admission.grammar_sandbox import (
     CallFailed,
     HelperCrashed,
     HelperTimeout,
@@ -37,7 +37,7 @@ from router.grammar_sandbox import (
     sandbox,
     validate_grammar,
 )
-from router.tokenization import PromptTokenizer
+from router.admission.tokenization import PromptTokenizer
 from shared.schema_limits import SchemaLimitError, check_lark, check_pattern, check_schema
 from shared.wire import GRAMMAR_LIMITS, MAX_GRAMMAR_BYTES
 
@@ -178,7 +178,7 @@ def forced_call_grammar(
     tools: list[dict[str, Any]], name: str | None, parser: Any, tokenizer: PromptTokenizer
 ) -> str:
     """A grammar under which the model writes exactly one call, in the template's tool-call
-    format (`parser`: router.tool_calls.ToolParser), of the function `name` (None: any of
+    format (`parser`: router.admission.tool_calls.ToolParser), of the function `name` (None: any of
     `tools`), its arguments valid against that function's parameters. FormatError when the
     format is not one a grammar can write or a parameter schema does not compile; one past a
     bound of shared/schema_limits.py names "tools"."""

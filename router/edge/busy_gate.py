@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from router.errors import APIError
+from router.edge.errors import APIError
 from router.metrics import ADMISSION_REFUSED
 
 # The routes whose requests the ledger admits.

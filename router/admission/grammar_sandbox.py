@@ -7,7 +7,7 @@ helper processes (HELPERS, started on first use, reused by every request) and ru
 one of them: a helper that dies answers its one request with `HelperCrashed` and is replaced,
 and the router process and its other requests go on.
 
-A helper is `python -m router.grammar_sandbox <in fd> <out fd>`: a plain process (no
+A helper is `python -m router.admission.grammar_sandbox <in fd> <out fd>`: a plain process (no
 multiprocessing start method re-importing the router's __main__) that imports llguidance only
 and answers, one at a time, the calls written to its pipe: `(function, args)` pickled by
 reference, answered with `("ok", value)` or `("error", message)`. Each tokenizer's llguidance
@@ -66,7 +66,7 @@ class _Helper:
         up_r, up_w = os.pipe()  # helper -> router
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "router.grammar_sandbox", str(down_r), str(up_w)],
+                [sys.executable, "-m", "router.admission.grammar_sandbox", str(down_r), str(up_w)],
                 pass_fds=(down_r, up_w),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -270,6 +270,6 @@ def _serve(in_fd: int, out_fd: int) -> None:
 
 if __name__ == "__main__":
     # The importable module's own _serve: the calls' functions resolve to that module's globals.
-    from router.grammar_sandbox import _serve as serve
+    from router.admission.grammar_sandbox import _serve as serve
 
     serve(int(sys.argv[1]), int(sys.argv[2]))

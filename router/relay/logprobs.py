@@ -24,7 +24,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from router.tokenization import PromptTokenizer
+from router.admission.tokenization import PromptTokenizer
 
 log = logging.getLogger(__name__)
 

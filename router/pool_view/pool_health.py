@@ -7,7 +7,7 @@ from typing import Any
 
 from rq import Queue
 
-from router.cache_stats import read_pool
+from router.pool_view.cache_stats import read_pool
 from router.state import RouterState
 from shared import keys
 from shared.cache_stats import WorkerCacheSnapshot

@@ -16,16 +16,16 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from router.errors import APIError
-from router.openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest
-from router.structured_output import FormatError, forced_call_grammar, grammar_for
-from router.tokenization import (
+from router.admission.structured_output import FormatError, forced_call_grammar, grammar_for
+from router.admission.tokenization import (
     MAX_CHARS_PER_TOKEN,
     RESERVED_TEMPLATE_KWARGS,
     ChatTemplateError,
     PromptTokenizer,
     PromptTooLong,
 )
+from router.edge.errors import APIError
+from router.edge.openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest
 from shared.wire import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
@@ -210,7 +210,8 @@ def _sampling_controls(
 
 
 def _grammar(body: CompletionRequest | ChatCompletionRequest, tok: PromptTokenizer) -> str | None:
-    """response_format as the llguidance grammar the worker enforces (router.structured_output)."""
+    """response_format as the llguidance grammar the worker enforces
+    (router.admission.structured_output)."""
     try:
         return grammar_for(body.response_format, tok)
     except FormatError as exc:

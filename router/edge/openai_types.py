@@ -4,7 +4,7 @@ Request models validate *types* strictly (a string where a number belongs is a 4
 cast) and ignore unknown fields, as OpenAI clients send many we do not use. Every string we read
 is `Text`: JSON can carry a lone surrogate (`"\\ud800"`) that Python accepts but UTF-8, msgpack
 and the tokenizer do not. Range and semantic checks (max_tokens against the context, n, seed, the
-number of stop sequences, the model id) live in router.admission.
+number of stop sequences, the model id) live in router.admission.admit.
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ class _SamplingFields(_Body):
     presence_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     logit_bias: dict[Text, float] | None = None
-    # text, json_object, json_schema, regex or grammar: router.structured_output compiles it.
+    # text, json_object, json_schema, regex or grammar: router.admission.structured_output compiles
+    # it.
     response_format: JSONObject | None = None
 
 
@@ -224,7 +225,7 @@ class ResponseFormat:
         logprobs: dict[str, Any] | None = None,
         tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        """The non-streaming response; `logprobs` as router.logprobs renders them (None: the
+        """The non-streaming response; `logprobs` as router.relay.logprobs renders them (None: the
         request asked for none). With tool calls, `content` is null when no text came with
         them."""
         if self.chat:

@@ -16,7 +16,7 @@ from router.metrics import (
 
 
 class Placed(Protocol):
-    """What a placement's metrics read (`router.admission_ledger.Placement` has it): typed
+    """What a placement's metrics read (`router.placement.ledger.Placement` has it): typed
     here, so this module does not import the ledger that imports it."""
 
     @property

@@ -4,7 +4,7 @@ model a live worker registers (its info hash names the model and the directory i
 A worker of another model brings it into the pool: the router loads that model's tokenizer
 from the directory the worker names (the same files on a shared disk or the same host), checks
 that it hashes the routing canary as the worker does, and from then on admits its requests.
-Routing only ever considers workers of the requested model (router/placement.lua).
+Routing only ever considers workers of the requested model (router/placement/placement.lua).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import redis
 
-from router.admission import AdmissionContext, quoted
-from router.tokenization import TokenizerLoadError, load_tokenizer
+from router.admission.admit import AdmissionContext, quoted
+from router.admission.tokenization import TokenizerLoadError, load_tokenizer
 from shared import keys
 from shared.block_hash import BlockHasher, canary
 from shared.canary_check import CanaryMismatch

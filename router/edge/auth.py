@@ -31,7 +31,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from router.errors import error_body
+from router.edge.errors import error_body
 from shared.config import ENV_VARS, AuthConfig, ConfigError
 
 # Liveness probes must work without a key: a load balancer has none.

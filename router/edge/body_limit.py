@@ -8,7 +8,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router.errors import error_body
+from router.edge.errors import error_body
 
 
 class BodyLimit:

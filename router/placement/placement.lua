@@ -1,4 +1,4 @@
--- Admission and placement in ONE atomic step (router/admission_ledger.py calls it).
+-- Admission and placement in ONE atomic step (router/placement/ledger.py calls it).
 --
 -- Admits a request against the pool's bounds, picks the live worker of its model that should
 -- run it, and reserves both before returning: two routers can never both book the last slot or

@@ -1,0 +1,192 @@
+"""A relayed request as OpenAI's chat and completions APIs answer it: one JSON body, or SSE
+chunks (several choices side by side under their `index`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from router.edge.errors import APIError
+from router.edge.openai_types import ResponseFormat, Usage
+from router.relay.logprobs import LogprobRenderer, token_table
+from router.relay.progress import ChoiceProgress, error_for
+from router.relay.routed import RoutedRequest
+from router.relay.streams import (
+    Events,
+    collect_all,
+    first_events,
+    open_streams,
+    served_by,
+    sse,
+    sse_headers,
+)
+from router.state import RouterState
+from shared.wire import StreamEvent
+
+
+async def respond(request: Request, state: RouterState, routed: RoutedRequest) -> Response:
+    """Relay a request already admitted and enqueued (router.relay.submit); routed.fmt says
+    which of the two APIs' shapes it gets."""
+    fmt = routed.fmt
+    assert fmt is not None, "the route sets the response format"
+    progress = routed.start_relay()
+    renderer = None
+    if routed.gens[0].logprobs is not None:
+        renderer = await anyio.to_thread.run_sync(_logprob_renderer, state, routed.model, fmt.chat)
+    streams = open_streams(request, state, routed)
+    if not routed.stream:
+        await collect_all(streams, progress)
+        body = _body(fmt, progress, renderer)
+        return JSONResponse(body, headers=served_by(progress[0].worker_id))
+    firsts = await first_events(streams)
+    if len(streams) == 1:
+        chunks = _chunks(firsts[0], streams[0], routed, progress[0], renderer)
+    else:
+        chunks = _merged(list(zip(firsts, streams, progress, strict=True)), routed, renderer)
+    return StreamingResponse(chunks, media_type="text/event-stream", headers=sse_headers(firsts[0]))
+
+
+def _body(
+    fmt: ResponseFormat, progress: list[ChoiceProgress], renderer: LogprobRenderer | None
+) -> dict[str, Any]:
+    """The whole response; the usage counts each prompt once and every choice's tokens."""
+    bodies = []
+    for p in progress:
+        lp = renderer.render(p.logprobs, p.chars) if renderer is not None else None
+        bodies.append(fmt.body("".join(p.text), p.finish_reason, p.usage, lp, p.tool_calls))
+    if len(bodies) == 1:
+        return bodies[0]
+    body = fmt.body("", None, total_usage(progress))
+    body["choices"] = [b["choices"][0] | {"index": i} for i, b in enumerate(bodies)]
+    return body
+
+
+def _unsent_logprobs(
+    renderer: LogprobRenderer | None, progress: ChoiceProgress
+) -> dict[str, Any] | None:
+    """The logprobs of the tokens no chunk has carried yet (a token whose text the worker held
+    back, part of a character or of a possible stop string, goes with the chunk that carries
+    its text, or with the last chunk)."""
+    if renderer is None or progress.logprobs_sent == len(progress.logprobs):
+        return None
+    unsent = progress.logprobs[progress.logprobs_sent :]
+    progress.logprobs_sent = len(progress.logprobs)
+    return renderer.render(unsent, progress.chars)
+
+
+async def _chunks(
+    first: StreamEvent,
+    events: Events,
+    routed: RoutedRequest,
+    progress: ChoiceProgress,
+    renderer: LogprobRenderer | None,
+    index: int = 0,
+    final: bool = True,
+) -> AsyncIterator[bytes]:
+    """One choice's SSE chunks; `final`: it is the response's only choice, so it also sends the
+    usage chunk and [DONE] (with several, _merged does, once)."""
+    fmt = routed.fmt
+    assert fmt is not None
+    include_usage = routed.include_usage
+
+    def chunk(body: dict[str, Any]) -> bytes:
+        if index:
+            for choice in body["choices"]:
+                choice["index"] = index
+        if include_usage:
+            body["usage"] = None  # OpenAI marks every non-final chunk this way
+        return sse(body)
+
+    async with aclosing(events):
+        if fmt.chat:
+            yield chunk(fmt.chunk("", first=True))
+        ev: StreamEvent | None = first
+        while ev is not None:
+            if ev.kind == "error":
+                yield sse(error_for(ev).body())
+                if final:
+                    yield sse("[DONE]")
+                return
+            sent_calls = len(progress.tool_calls)
+            text, calls = progress.on_event(ev)
+            if text or calls:
+                lp = _unsent_logprobs(renderer, progress)
+                yield chunk(fmt.chunk(text, logprobs=lp, tool_calls=calls, first_index=sent_calls))
+            if ev.kind == "done":
+                last = _unsent_logprobs(renderer, progress)
+                yield chunk(fmt.chunk("", progress.finish_reason, logprobs=last))
+                if final:
+                    if include_usage:
+                        yield sse(fmt.usage_chunk(progress.usage))
+                    yield sse("[DONE]")
+                return
+            ev = await anext(events, None)
+
+
+async def _merged(
+    parts: list[tuple[StreamEvent, Events, ChoiceProgress]],
+    routed: RoutedRequest,
+    renderer: LogprobRenderer | None,
+) -> AsyncIterator[bytes]:
+    """The choices' chunks as they come, then one usage chunk and one [DONE]."""
+    fmt = routed.fmt
+    assert fmt is not None
+    queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+    async def pump(i: int, first: StreamEvent, events: Events, progress: ChoiceProgress) -> None:
+        try:
+            async for data in _chunks(
+                first, events, routed, progress, renderer, index=i, final=False
+            ):
+                await queue.put(data)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(i, *part)) for i, part in enumerate(parts)]
+    try:
+        left = len(tasks)
+        while left:
+            data = await queue.get()
+            if data is None:
+                left -= 1
+                continue
+            yield data
+        if routed.include_usage:
+            yield sse(fmt.usage_chunk(total_usage([p for _, _, p in parts])))
+        yield sse("[DONE]")
+    finally:  # the client went away: every choice's stream is let go
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def total_usage(progress: list[ChoiceProgress]) -> Usage:
+    """A prompt's tokens once (its choices share it: one list object), every choice's output."""
+    total, seen = Usage(), set()
+    for p in progress:
+        if id(p.gen.prompt_tokens) not in seen:
+            seen.add(id(p.gen.prompt_tokens))
+            total.prompt_tokens += p.usage.prompt_tokens
+            total.cached_tokens += p.usage.cached_tokens
+        total.completion_tokens += p.usage.completion_tokens
+    return total
+
+
+def _logprob_renderer(state: RouterState, model: str, chat: bool) -> LogprobRenderer:
+    """Blocking (the first request with logprobs builds its tokenizer's token table)."""
+    ctx = state.catalog.get(model)  # admission loaded it: found without a Redis read
+    if ctx is None:
+        raise APIError(
+            503,
+            f"No live worker serves '{model}' now; retry shortly.",
+            "server_error",
+            None,
+            "no_live_worker",
+        )
+    return LogprobRenderer(token_table(ctx.tokenizer), chat)

@@ -1,0 +1,93 @@
+"""What every API's relay does with a request's event streams, whatever shape its answer has:
+fold them into each choice's progress, hold the 200 until each has its first event, and the
+SSE framing and headers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+import orjson
+from fastapi import Request
+
+from router.edge.errors import APIError
+from router.relay.progress import CLIENT_CLOSED, ChoiceProgress, error_for
+from router.relay.routed import RoutedRequest
+from router.state import RouterState
+from shared.wire import StreamEvent
+
+# Names the worker that ran the request (its first attempt, when streamed): why a request went
+# where it went is in the router's route log line, keyed by the same worker id.
+WORKER_HEADER = "X-Mlxcel-Worker"
+
+Events = AsyncIterator[StreamEvent]
+
+
+def served_by(worker_id: str | None) -> dict[str, str]:
+    return {WORKER_HEADER: worker_id} if worker_id else {}
+
+
+def sse_headers(first: StreamEvent) -> dict[str, str]:
+    return {
+        "Cache-Control": "no-cache",
+        "X-Accel-Buffering": "no",
+        **served_by(first.worker_id if first.kind == "start" else ""),
+    }
+
+
+def sse(payload: dict[str, Any] | str, event: str | None = None) -> bytes:
+    """One SSE message; `event`: its type line (the Responses and Messages APIs name theirs)."""
+    # orjson: one chunk per streamed token, and stdlib json was the costlier half of building it.
+    data = payload.encode() if isinstance(payload, str) else orjson.dumps(payload)
+    head = b"event: " + event.encode() + b"\n" if event else b""
+    return head + b"data: " + data + b"\n\n"
+
+
+def open_streams(request: Request, state: RouterState, routed: RoutedRequest) -> list[Events]:
+    """Each choice's events (routed.start_relay() made their progress)."""
+    return [
+        state.dispatcher.events(gen, request.is_disconnected, streamed=routed.stream)
+        for gen in routed.gens
+    ]
+
+
+async def collect(events: Events, progress: ChoiceProgress) -> None:
+    """Fold a choice's events into its progress until `done`; an error raises its API error."""
+    async with aclosing(events):
+        async for ev in events:
+            if ev.kind == "error":
+                raise error_for(ev)
+            progress.on_event(ev)
+            if ev.kind == "done":
+                return
+    raise APIError(CLIENT_CLOSED, "The client closed the request.")
+
+
+async def collect_all(streams: list[Events], progress: list[ChoiceProgress]) -> None:
+    """Every choice to its end, side by side; the first failure is the request's."""
+    if len(streams) == 1:
+        await collect(streams[0], progress[0])
+        return
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for events, p in zip(streams, progress, strict=True):
+                tg.create_task(collect(events, p))
+    except* APIError as group:
+        raise group.exceptions[0] from None
+
+
+async def first_events(streams: list[Events]) -> list[StreamEvent]:
+    """Every choice's first event before the 200, so an early failure keeps its status code."""
+    firsts: list[StreamEvent] = []
+    for events in streams:
+        first = await anext(events, None)
+        if first is None or first.kind == "error":
+            for other in streams:
+                await other.aclose()
+            if first is None:
+                raise APIError(CLIENT_CLOSED, "The client closed the request.")
+            raise error_for(first)
+        firsts.append(first)
+    return firsts
