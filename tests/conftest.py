@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -24,7 +25,7 @@ TEST_CACHE_DIR = Path(os.environ.get("MLXCEL_TEST_CACHE_DIR", REPO / ".cache" / 
 # Fixtures that start a process (the session's redis-server, or worker processes): a test using
 # one, directly or through another fixture, is a `pool` test. Tests that start processes some
 # other way (running_pool, subprocess) carry the mark themselves, by module or by test.
-PROCESS_FIXTURES = frozenset({"redis_server", "redis_url", "start_worker"})
+PROCESS_FIXTURES = frozenset({"redis_server", "redis_url", "start_worker", "shared_pool"})
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -201,3 +202,22 @@ def tiny_swa_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFa
     cfg["sliding_window"] = 48
     (out / "config.json").write_text(json.dumps(cfg))
     return out
+
+
+# The settings of the one pool that every test able to share it shares (`shared_pool`): tests
+# that need other settings, or that kill, stall or flush, start their own.
+SHARED_POOL_ENV = {"MLXCEL_TRUST_REQUEST_CHAT_TEMPLATE": "true"}
+SHARED_POOL_OVERRIDES = {"worker": {"batch_size": 8}, "router": {"processes": 2}}
+
+
+@pytest.fixture(scope="session")
+def shared_pool(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One pool for the session (1 worker of the tiny model, 2 router processes, no API keys):
+    a test using it must leave it as it found it (no kills, no flushes, no settings of its own)."""
+    from tests.pool_fixture import running_pool
+
+    work = tmp_path_factory.mktemp("shared-pool")
+    with running_pool(
+        tiny_model_dir, work, env=SHARED_POOL_ENV, overrides=SHARED_POOL_OVERRIDES
+    ) as pool:
+        yield pool
