@@ -15,11 +15,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from shared.errors import SHAPES, ErrorKind
+
 log = logging.getLogger(__name__)
 
 
 class APIError(Exception):
-    """An error answered to the client as an OpenAI error object."""
+    """An error answered to the client as an OpenAI error object (another API's routes render
+    it in their own shape from its `kind`). Made with `APIError.of(kind, message)`."""
 
     def __init__(
         self,
@@ -29,6 +32,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        kind: ErrorKind | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -37,12 +41,32 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers
+        self.kind = kind or _kind_for(status)
+
+    @classmethod
+    def of(
+        cls,
+        kind: ErrorKind,
+        message: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> APIError:
+        """The error of one of the pool's kinds, with its status, type and code from the one
+        table (shared.errors.SHAPES)."""
+        shape = SHAPES[kind]
+        return cls(shape.status, message, shape.type, param, shape.code, headers, kind)
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _kind_for(status: int) -> ErrorKind:
+    if status == 404:
+        return ErrorKind.NOT_FOUND
+    return ErrorKind.INVALID_REQUEST if status < 500 else ErrorKind.SERVER_ERROR
 
 
 def error_body(
