@@ -526,3 +526,15 @@ def admit_chat(body: ChatCompletionRequest, ctx: AdmissionContext) -> Admission:
         return Admission(Outcome.ADMIT, gen, requests=_choices(gen, body.n or 1))
     except _Refused as refused:
         return refused.admission
+
+
+def chat_prompt(body: ChatCompletionRequest, ctx: AdmissionContext) -> list[int] | Admission:
+    """The prompt tokens admit_chat would send for `body`, checked as it checks the model, the
+    messages and the tools, with nothing built or enqueued (the Messages API's count_tokens);
+    a refusal is its Admission."""
+    try:
+        _check_common(body, ctx)
+        tokens, _ = _chat_tokens(body, ctx)
+        return tokens
+    except _Refused as refused:
+        return refused.admission
