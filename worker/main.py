@@ -29,8 +29,21 @@ def resolve_worker_id(settings: Settings) -> str:
 
 
 def run(settings: Settings) -> int:
+    from worker.embedding.task import EmbeddingConfigError, embedding_task
     from worker.model_dir import ModelDirError
 
+    # An embedding model's worker runs its own loop (worker/embedding/); the directory is read
+    # as configured, never built here (building imports mlx before the OpenBLAS preload).
+    configured = configured_model_dir(settings.model.path, settings.cache_dir)
+    try:
+        task = embedding_task(configured)
+    except EmbeddingConfigError as exc:
+        log.error("%s", exc)
+        return EXIT_CONFIG
+    if task is not None:
+        from worker.embedding.main import run as run_embedding
+
+        return run_embedding(settings, configured, task)
     try:
         loop = build_worker(settings)
     except (CanaryMismatch, ModelDirError, ModelConfigError) as exc:
