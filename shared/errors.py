@@ -25,8 +25,8 @@ class ErrorKind(enum.StrEnum):
     REDIS_UNAVAILABLE = "redis_unavailable"  # the pool's queue is unreachable: retry
     TIMEOUT = "timeout"  # the request outlived its deadline
     CLIENT_CLOSED = "client_closed"
-    WORKER_FAILED = "worker_error"  # a fault in the worker: a bug, not the caller's
-    SERVER_ERROR = "server_error"  # a fault in the router: a bug
+    JOB_FAILED = "job_failed"  # rq failed the job, or its stream is unreadable
+    SERVER_ERROR = "server_error"  # a fault in the engine or the router: a bug, not the caller's
 
 
 @dataclass(frozen=True)
@@ -53,15 +53,15 @@ SHAPES: dict[ErrorKind, ErrorShape] = {
     ErrorKind.REDIS_UNAVAILABLE: ErrorShape(503, "server_error", "redis_unavailable"),
     ErrorKind.TIMEOUT: ErrorShape(504, "server_error", "timeout"),
     ErrorKind.CLIENT_CLOSED: ErrorShape(CLIENT_CLOSED_STATUS, "invalid_request_error", None),
-    ErrorKind.WORKER_FAILED: ErrorShape(500, "server_error", None),
-    ErrorKind.SERVER_ERROR: ErrorShape(500, "server_error", None),
+    ErrorKind.JOB_FAILED: ErrorShape(500, "server_error", "job_failed"),
+    ErrorKind.SERVER_ERROR: ErrorShape(500, "server_error", "server_error"),
 }
 
 
-def kind_of(error_type: str | None) -> ErrorKind:
-    """A stream event's `error_type` as its kind; one this router does not know (a newer
-    worker's) is the worker's fault."""
+def kind_of(error_type: str | None) -> ErrorKind | None:
+    """A stream event's `error_type` as its kind; None: one this side does not know (a newer
+    peer's), which the router answers as a server error under that code."""
     try:
         return ErrorKind(error_type or "")
     except ValueError:
-        return ErrorKind.WORKER_FAILED
+        return None

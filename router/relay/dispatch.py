@@ -8,11 +8,9 @@ the event loop never blocks and a request is never left hanging: no event within
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -24,25 +22,21 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 
 from router.placement.ledger import AdmissionLedger
-from router.relay.stream_hub import Entry, StreamHub
+from router.relay.attempt import Attempt, JobState
+from router.relay.stream_hub import StreamHub
+from router.relay.watch import Disconnected, Watch
 from shared import keys
+from shared.errors import ErrorKind
 from shared.liveness import WORKER_LOST_MARK, lost_verdict
 from shared.wire import (
     JOB_FUNC,
-    REDIS_UNAVAILABLE,
-    STREAM_FIELD,
     GenerationRequest,
     MsgpackSerializer,
     StreamEvent,
-    WireError,
 )
 
 log = logging.getLogger(__name__)
 
-# How long a request waits on its stream before it checks its client and its job.
-IDLE_CHECK_S = 1.0
-# How often (at most) a waiting request asks rq whether its job failed or its worker died.
-JOB_CHECK_INTERVAL_S = 1.0
 RESULT_TTL_S = 600
 FAILURE_TTL_S = 3600
 QUEUED_TTL_S = 600
@@ -51,43 +45,9 @@ QUEUED_TTL_S = 600
 # step or two more before it reads the flag (each of its writes sets the stream's TTL too).
 CANCELLED_STREAM_TTL_S = 60
 
-# error_type of the events the router makes up itself (the worker never sends these).
-TIMEOUT = "timeout"
-JOB_FAILED = "job_failed"
-
 # A request's worker found lost (the reaper's verdict, shared.liveness.lost_verdict) costs it its
 # attempt: one more is made while no token has reached the client.
-WORKER_LOST = "worker_lost"
 MAX_ATTEMPTS = 2
-# While tokens flow, how often a request asks whether its client is still there.
-CLIENT_CHECK_S = 0.05
-
-Disconnected = Callable[[], Awaitable[bool]]
-
-
-@dataclass
-class _Attempt:
-    """One enqueue of a request: its job, the worker that took it, the events relayed so far."""
-
-    gen: GenerationRequest
-    number: int = 1
-    worker_id: str = ""
-    next_seq: int = 0
-    # The worker wrote the request's last event (`done` or `error` in its stream): it writes no
-    # more, so its stream can go. Any other end (an error the router made up) cancels the job.
-    finished: bool = False
-
-    @property
-    def job_id(self) -> str:
-        return self.gen.request_id
-
-
-@dataclass(frozen=True)
-class _JobState:
-    failure: str | None = None  # the job failed or vanished: the request ends with this
-    failure_type: str = JOB_FAILED
-    lost: str | None = None  # its worker stopped beating
-    finished: bool = False
 
 
 @dataclass
@@ -157,14 +117,14 @@ class Dispatcher:
         begins with its own `start`, after which the reader drops what it gathered; the client
         never sees the death. One that had streamed tokens ends with an error. Closing the
         iterator early (client gone) tells the worker to drop the sequence."""
-        attempt = _Attempt(gen)
+        attempt = Attempt(gen)
         relayed_tokens = started = False
         try:
             while True:
                 lost: StreamEvent | None = None
                 async with aclosing(self._read(attempt, disconnected, not streamed)) as reader:
                     async for event in reader:
-                        if event.kind == "error" and event.error_type == WORKER_LOST:
+                        if event.kind == "error" and event.error_type == ErrorKind.WORKER_LOST:
                             lost = event
                             break
                         last = event.kind in ("done", "error")
@@ -197,110 +157,44 @@ class Dispatcher:
                 await self._cleanup(attempt.job_id, cancel=not attempt.finished)
                 await self.ledger.release(gen.request_id)
 
-    async def _requeue(self, lost: _Attempt) -> _Attempt:
+    async def _requeue(self, lost: Attempt) -> Attempt:
         """The next attempt, under a new job id (the lost worker's job keeps its own), on the
         shared queue (any live worker takes it; the lost one may still look live); the lost
         job gets its cancel flag, so a worker that was only slow drops it instead of racing."""
         await self._cleanup(lost.job_id, cancel=True)
         again = dataclasses.replace(lost.gen, request_id=f"{lost.gen.request_id}-{lost.number}")
         await anyio.to_thread.run_sync(self.enqueue, again)
-        return _Attempt(again, number=lost.number + 1)
+        return Attempt(again, number=lost.number + 1)
 
     async def _read(
-        self, attempt: _Attempt, disconnected: Disconnected | None, in_flow: bool
+        self, attempt: Attempt, disconnected: Disconnected | None, in_flow: bool
     ) -> AsyncIterator[StreamEvent]:
         stream = keys.request_stream(attempt.job_id)
         queue = await self.hub.subscribe(stream)
+        watch = Watch(
+            attempt,
+            queue,
+            disconnected,
+            in_flow,
+            self.request_timeout_s,
+            job_state=lambda: self._checked_job_state(attempt),
+            unread=lambda: self._unread(attempt),
+        )
         try:
-            async for event in self._watch(attempt, queue, disconnected, in_flow):
+            async for event in watch.events():
                 yield event
         finally:
             self.hub.unsubscribe(stream)
 
-    async def _watch(
-        self,
-        attempt: _Attempt,
-        queue: asyncio.Queue[Entry],
-        disconnected: Disconnected | None,
-        in_flow: bool,
-    ) -> AsyncIterator[StreamEvent]:
-        """Relay the hub's entries in sequence (a duplicate is dropped, a gap ends the request,
-        with the worker's own error when one follows the gap: it says why the events were lost);
-        between them, notice a vanished client, a failed or lost job, a dead worker, or the
-        request timeout."""
-        last_event_at = time.monotonic()
-        next_check = last_event_at + JOB_CHECK_INTERVAL_S
-        next_client_check = last_event_at + CLIENT_CHECK_S
-        job_finished = False
-        # rq's FAILED status is written after the job's last stream event, in the same pipeline:
-        # the worker's own error (with its code) is relayed when it comes; rq's text only if not.
-        pending_failure: StreamEvent | None = None
-        while True:
-            # Per streamed token: take what the hub already queued without a wait; otherwise
-            # wait under asyncio.timeout (wait_for would wrap each get in a new task).
-            try:
-                _, fields = queue.get_nowait()
-            except asyncio.QueueEmpty:
-                try:
-                    async with asyncio.timeout(IDLE_CHECK_S):
-                        _, fields = await queue.get()
-                except TimeoutError:
-                    fields = None
-            now = time.monotonic()
-            if fields is not None:
-                event = _decode(fields)
-                if event.seq < attempt.next_seq and event.error_type != JOB_FAILED:
-                    continue  # a write Redis applied twice: relayed already
-                if event.seq > attempt.next_seq and event.kind != "error":
-                    # Only Redis loses a stream's writes (a failover, a restart): retryable 503.
-                    yield _error(
-                        REDIS_UNAVAILABLE,
-                        f"the request's stream lost events "
-                        f"{attempt.next_seq}..{event.seq - 1}; its text is incomplete",
-                    )
-                    return
-                attempt.next_seq = event.seq + 1
-                if event.kind == "start":
-                    attempt.worker_id = event.worker_id
-                attempt.finished = event.kind in ("done", "error")  # the worker's own last event
-                yield event
-                last_event_at = now
-                # A client that left is let go within a step even while tokens flow; a streamed
-                # response learns it from its next send, so only a non-streamed one asks.
-                if in_flow and disconnected is not None and now >= next_client_check:
-                    next_client_check = now + CLIENT_CHECK_S
-                    if await disconnected():
-                        return
-                continue
-            if disconnected is not None and await disconnected():
-                return
-            if job_finished and not await self._unread(attempt):
-                # rq says done, nothing more came, and the stream holds nothing unread either:
-                # the worker lost the end. (Unread entries: this process's reader is behind.)
-                yield _error(JOB_FAILED, "the worker finished the job without a final event")
-                return
-            if pending_failure is not None:  # a quiet wait after rq said failed: no event comes
-                yield pending_failure
-                return
-            if now - last_event_at >= self.request_timeout_s:
-                yield _error(TIMEOUT, f"no response from a worker in {self.request_timeout_s:g}s")
-                return
-            if now >= next_check:
-                next_check = now + JOB_CHECK_INTERVAL_S
-                try:
-                    state = await anyio.to_thread.run_sync(self._job_state, attempt)
-                except (redis.ConnectionError, redis.TimeoutError) as exc:  # Redis restarting
-                    log.info("job check for %s failed (%s); retrying", attempt.job_id, exc)
-                    continue
-                job_finished = state.finished
-                if state.failure is not None:
-                    pending_failure = _error(state.failure_type, state.failure)
-                    continue
-                if state.lost is not None:
-                    yield _error(WORKER_LOST, state.lost)
-                    return
+    async def _checked_job_state(self, attempt: Attempt) -> JobState | None:
+        """The job's state, off the event loop; None while Redis restarts (checked again)."""
+        try:
+            return await anyio.to_thread.run_sync(self._job_state, attempt)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            log.info("job check for %s failed (%s); retrying", attempt.job_id, exc)
+            return None
 
-    async def _unread(self, attempt: _Attempt) -> bool:
+    async def _unread(self, attempt: Attempt) -> bool:
         """Whether the attempt's stream holds events not relayed yet (one per seq number)."""
         try:
             return int(await self.aredis.xlen(keys.request_stream(attempt.job_id))) > (
@@ -309,7 +203,7 @@ class Dispatcher:
         except redis.RedisError:
             return False
 
-    def _job_state(self, attempt: _Attempt) -> _JobState:
+    def _job_state(self, attempt: Attempt) -> JobState:
         """The job as rq records it and, while it runs, whether the pool found its worker lost
         (the reaper's verdict: never judged here from a heartbeat), on the sync client, in a
         worker thread."""
@@ -319,31 +213,31 @@ class Dispatcher:
             )
             status = job.get_status(refresh=False)
         except NoSuchJobError:
-            return _JobState(
+            return JobState(
                 failure="the job no longer exists (Redis lost it, or it expired unstarted)",
-                failure_type=REDIS_UNAVAILABLE,
+                failure_type=ErrorKind.REDIS_UNAVAILABLE,
             )
         except redis.RedisError:
             raise
         except Exception as exc:  # a job hash rq cannot load (written by hand, not by us)
-            return _JobState(failure=f"the job's record is unreadable: {exc}")
+            return JobState(failure=f"the job's record is unreadable: {exc}")
         if status == JobStatus.FINISHED:
-            return _JobState(finished=True)
+            return JobState(finished=True)
         if status in (JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED):
             text = _failure_text(job, status)
             if WORKER_LOST_MARK in text:  # a live worker reaped it: its worker died, not it
-                return _JobState(lost=text)
-            return _JobState(failure=text)
+                return JobState(lost=text)
+            return JobState(failure=text)
         if status != JobStatus.STARTED:
-            return _JobState()
+            return JobState()
         # The worker that runs it: named by its start event, else by rq's record of the job.
         wid = attempt.worker_id or keys.parse_rq_worker_name(job.worker_name or "")
         if wid is None:
-            return _JobState()
+            return JobState()
         since = lost_verdict(self.sync_redis, wid)
         if since is None:
-            return _JobState()
-        return _JobState(lost=f"worker {wid} stopped while running this request ({since})")
+            return JobState()
+        return JobState(lost=f"worker {wid} stopped while running this request ({since})")
 
     async def _cleanup(self, req_id: str, cancel: bool) -> None:
         try:
@@ -364,20 +258,6 @@ def _failure_text(job: Job, status: JobStatus) -> str:
     text = (result.exc_string if result is not None else None) or job.exc_info or ""
     last = text.strip().splitlines()[-1] if text.strip() else ""
     return f"the worker's job {status.value}" + (f": {last}" if last else "")
-
-
-def _decode(fields: dict[bytes, bytes]) -> StreamEvent:
-    data = fields.get(STREAM_FIELD)
-    if data is None:
-        return _error(JOB_FAILED, "a stream entry without the event field")
-    try:
-        return StreamEvent.from_wire(data)
-    except (WireError, ValueError) as exc:
-        return _error(JOB_FAILED, f"an unreadable stream entry: {exc}")
-
-
-def _error(error_type: str, message: str) -> StreamEvent:
-    return StreamEvent(kind="error", error=message, error_type=error_type)
 
 
 def describe(req: GenerationRequest, worker_id: str) -> str:

@@ -13,14 +13,11 @@ from router.admission.tool_calls import ToolCallStream
 from router.edge.errors import APIError
 from router.edge.openai_types import Usage
 from router.metrics import REQUEST_DECODE_TOK_S, REQUEST_TTFT_MS
-from router.relay.dispatch import TIMEOUT, WORKER_LOST
 from router.relay.logprobs import TokenLogprob, from_event
-from shared.wire import REDIS_UNAVAILABLE, GenerationRequest, StreamEvent
+from shared.errors import ErrorKind, kind_of
+from shared.wire import GenerationRequest, StreamEvent
 
 log = logging.getLogger(__name__)
-
-# nginx's code for "client closed request": nobody reads it, but logs should not say 200.
-CLIENT_CLOSED = 499
 
 
 @dataclass
@@ -123,15 +120,15 @@ class ChoiceProgress:
 
 def error_for(ev: StreamEvent) -> APIError:
     """A terminal `error` event (the worker's, or one the router made up) as an API error."""
-    if ev.error_type == TIMEOUT:
-        return APIError(504, ev.error, "server_error", None, "timeout")
-    if ev.error_type == "invalid_request_error":
-        return APIError(400, ev.error, "invalid_request_error")
-    if ev.error_type == WORKER_LOST:
+    kind = kind_of(ev.error_type)
+    if kind is ErrorKind.WORKER_LOST:
         message = f"The pool lost the worker running this request; retry shortly: {ev.error}"
-        return APIError(503, message, "server_error", None, WORKER_LOST)
-    if ev.error_type == REDIS_UNAVAILABLE:
+    elif kind is ErrorKind.REDIS_UNAVAILABLE:
         message = f"The pool lost its queue (Redis) during the request; retry shortly: {ev.error}"
-        return APIError(503, message, "server_error", None, REDIS_UNAVAILABLE)
-    message = f"The worker failed to generate: {ev.error}" if ev.error else "The worker failed."
-    return APIError(500, message, "server_error", None, ev.error_type or None)
+    elif kind in (ErrorKind.SERVER_ERROR, ErrorKind.JOB_FAILED, None):
+        message = f"The worker failed to generate: {ev.error}" if ev.error else "The worker failed."
+    else:
+        message = ev.error
+    if kind is None:  # a kind this router does not know: a server error under its own code
+        return APIError(500, message, "server_error", None, ev.error_type or None)
+    return APIError.of(kind, message)

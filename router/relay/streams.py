@@ -13,9 +13,10 @@ import orjson
 from fastapi import Request
 
 from router.edge.errors import APIError
-from router.relay.progress import CLIENT_CLOSED, ChoiceProgress, error_for
+from router.relay.progress import ChoiceProgress, error_for
 from router.relay.routed import RoutedRequest
 from router.state import RouterState
+from shared.errors import ErrorKind
 from shared.wire import StreamEvent
 
 # Names the worker that ran the request (its first attempt, when streamed): why a request went
@@ -62,7 +63,7 @@ async def collect(events: Events, progress: ChoiceProgress) -> None:
             progress.on_event(ev)
             if ev.kind == "done":
                 return
-    raise APIError(CLIENT_CLOSED, "The client closed the request.")
+    raise APIError.of(ErrorKind.CLIENT_CLOSED, "The client closed the request.")
 
 
 async def collect_all(streams: list[Events], progress: list[ChoiceProgress]) -> None:
@@ -87,7 +88,7 @@ async def first_events(streams: list[Events]) -> list[StreamEvent]:
             for other in streams:
                 await other.aclose()
             if first is None:
-                raise APIError(CLIENT_CLOSED, "The client closed the request.")
+                raise APIError.of(ErrorKind.CLIENT_CLOSED, "The client closed the request.")
             raise error_for(first)
         firsts.append(first)
     return firsts

@@ -1,0 +1,33 @@
+"""One enqueue of a request, and its job as rq records it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.errors import ErrorKind
+from shared.wire import GenerationRequest
+
+
+@dataclass
+class Attempt:
+    """One enqueue of a request: its job, the worker that took it, the events relayed so far."""
+
+    gen: GenerationRequest
+    number: int = 1
+    worker_id: str = ""
+    next_seq: int = 0
+    # The worker wrote the request's last event (`done` or `error` in its stream): it writes no
+    # more, so its stream can go. Any other end (an error the router made up) cancels the job.
+    finished: bool = False
+
+    @property
+    def job_id(self) -> str:
+        return self.gen.request_id
+
+
+@dataclass(frozen=True)
+class JobState:
+    failure: str | None = None  # the job failed or vanished: the request ends with this
+    failure_type: str = ErrorKind.JOB_FAILED
+    lost: str | None = None  # its worker stopped beating
+    finished: bool = False

@@ -1,0 +1,160 @@
+"""One attempt's watch over its stream: relay the hub's entries in order, and between them
+notice a vanished client, a finished, failed or lost job, or the request timeout.
+
+The watch is a small state machine over what rq last said of the job (`Phase`); its clocks
+(`last_event_at`, the next job and client checks) are fields, not loop locals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+from router.relay.attempt import Attempt, JobState
+from router.relay.stream_hub import Entry
+from shared.errors import ErrorKind
+from shared.wire import STREAM_FIELD, StreamEvent, WireError
+
+# How long a request waits on its stream before it checks its client and its job.
+IDLE_CHECK_S = 1.0
+# How often (at most) a waiting request asks rq whether its job failed or its worker died.
+JOB_CHECK_INTERVAL_S = 1.0
+# While tokens flow, how often a request asks whether its client is still there.
+CLIENT_CHECK_S = 0.05
+
+JOB_FAILED = ErrorKind.JOB_FAILED
+
+Disconnected = Callable[[], Awaitable[bool]]
+
+
+class Phase(enum.Enum):
+    RUNNING = "running"  # queued or started: events are awaited, the job checked now and then
+    FINISHED = "finished"  # rq says done: its last event is in the stream, or was lost
+    FAILED = "failed"  # rq says failed: the worker's own error may follow; a quiet wait, rq's
+
+
+@dataclass
+class Watch:
+    """What the watch needs from the dispatcher: the job's state (blocking, run in a thread)
+    and whether the stream holds entries not relayed yet."""
+
+    attempt: Attempt
+    queue: asyncio.Queue[Entry]
+    disconnected: Disconnected | None
+    in_flow: bool  # a non-streamed request: only it asks after its client while tokens flow
+    request_timeout_s: float
+    job_state: Callable[[], Awaitable[JobState | None]]  # None: Redis did not answer
+    unread: Callable[[], Awaitable[bool]]
+    phase: Phase = Phase.RUNNING
+    failure: StreamEvent | None = None  # rq's failure text, relayed if no event of its own comes
+    last_event_at: float = field(default_factory=time.monotonic)
+    next_job_check: float = 0.0
+    next_client_check: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.next_job_check = self.last_event_at + JOB_CHECK_INTERVAL_S
+        self.next_client_check = self.last_event_at + CLIENT_CHECK_S
+
+    async def events(self) -> AsyncIterator[StreamEvent]:
+        while True:
+            fields = await self._next_entry()
+            now = time.monotonic()
+            if fields is not None:
+                event, end = self._relay(_decode(fields))
+                if event is not None:
+                    yield event
+                if end:
+                    return
+                if event is not None:
+                    self.last_event_at = now
+                    # A client that left is let go within a step even while tokens flow; a
+                    # streamed response learns it from its next send, so only a non-streamed
+                    # one asks.
+                    if self.in_flow and self.disconnected and now >= self.next_client_check:
+                        self.next_client_check = now + CLIENT_CHECK_S
+                        if await self.disconnected():
+                            return
+                continue
+            end_event, end = await self._quiet(now)
+            if end_event is not None:
+                yield end_event
+            if end:
+                return
+
+    async def _next_entry(self) -> dict[bytes, bytes] | None:
+        # Per streamed token: take what the hub already queued without a wait; otherwise wait
+        # under asyncio.timeout (wait_for would wrap each get in a new task).
+        try:
+            return self.queue.get_nowait()[1]
+        except asyncio.QueueEmpty:
+            try:
+                async with asyncio.timeout(IDLE_CHECK_S):
+                    return (await self.queue.get())[1]
+            except TimeoutError:
+                return None
+
+    def _relay(self, event: StreamEvent) -> tuple[StreamEvent | None, bool]:
+        """(the event to relay, whether the watch ends): a duplicate is dropped, a gap ends the
+        request (the worker's own error after a gap says why the events were lost)."""
+        attempt = self.attempt
+        if event.seq < attempt.next_seq and event.error_type != JOB_FAILED:
+            return None, False  # a write Redis applied twice: relayed already
+        if event.seq > attempt.next_seq and event.kind != "error":
+            # Only Redis loses a stream's writes (a failover, a restart): retryable 503.
+            missing = f"{attempt.next_seq}..{event.seq - 1}"
+            lost = f"the request's stream lost events {missing}; its text is incomplete"
+            return error_event(ErrorKind.REDIS_UNAVAILABLE, lost), True
+        attempt.next_seq = event.seq + 1
+        if event.kind == "start":
+            attempt.worker_id = event.worker_id
+        attempt.finished = event.kind in ("done", "error")  # the worker's own last event
+        return event, False
+
+    async def _quiet(self, now: float) -> tuple[StreamEvent | None, bool]:
+        """A wait with no entry: what the client, rq and the clock say now."""
+        if self.disconnected is not None and await self.disconnected():
+            return None, True
+        if self.phase is Phase.FINISHED and not await self.unread():
+            # rq says done, nothing more came, and the stream holds nothing unread either: the
+            # worker lost the end. (Unread entries: this process's reader is behind.)
+            return error_event(
+                JOB_FAILED, "the worker finished the job without a final event"
+            ), True
+        if self.phase is Phase.FAILED:  # a quiet wait after rq said failed: no event comes
+            return self.failure, True
+        if now - self.last_event_at >= self.request_timeout_s:
+            timeout = f"no response from a worker in {self.request_timeout_s:g}s"
+            return error_event(ErrorKind.TIMEOUT, timeout), True
+        if now < self.next_job_check:
+            return None, False
+        self.next_job_check = now + JOB_CHECK_INTERVAL_S
+        state = await self.job_state()
+        if state is None:
+            return None, False
+        if state.finished:
+            self.phase = Phase.FINISHED
+        if state.failure is not None:
+            self.phase = Phase.FAILED
+            self.failure = error_event(state.failure_type, state.failure)
+            return None, False
+        if state.lost is not None:
+            return error_event(ErrorKind.WORKER_LOST, state.lost), True
+        return None, False
+
+
+def _decode(fields: dict[bytes, bytes]) -> StreamEvent:
+    data = fields.get(STREAM_FIELD)
+    if data is None:
+        return error_event(JOB_FAILED, "a stream entry without the event field")
+    try:
+        return StreamEvent.from_wire(data)
+    except (WireError, ValueError) as exc:
+        return error_event(JOB_FAILED, f"an unreadable stream entry: {exc}")
+
+
+def error_event(error_type: str, message: str) -> StreamEvent:
+    """An `error` event the router makes up (the worker never sends these)."""
+    return StreamEvent(kind="error", error=message, error_type=str(error_type))
