@@ -1,9 +1,10 @@
 """Build a small Llama-architecture model offline (no model hub needed).
 
 Random float32 weights (seeded, so identical everywhere) plus a byte-level BPE tokenizer trained
-on :mod:`devmodel.corpus` and a ChatML chat template. The result loads with ``mlx_lm.load(dir)``
-and ``transformers.AutoTokenizer.from_pretrained(dir)``. Random weights produce repetitive text
-and rarely emit EOS, which suits load testing: generation length is set by ``max_tokens``.
+on :mod:`devmodel.corpus` and a ChatML chat template with Hermes-style tool calls. The result
+loads with ``mlx_lm.load(dir)`` and ``transformers.AutoTokenizer.from_pretrained(dir)``. Random
+weights produce repetitive text and rarely emit EOS, which suits load testing: generation length
+is set by ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -43,16 +44,57 @@ BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (BOS, EOS, PAD, IM_START, IM_END)  # ids 0..4, in this order
 
-# ChatML; accepts string content or OpenAI-style lists of {"type": "text", "text": ...} parts.
+# ChatML, with tools and tool calls in the Qwen2.5/Hermes format: the tools as JSON in a system
+# turn, each call as <tool_call>{"name": ..., "arguments": {...}}</tool_call> (mlx-lm infers its
+# json_tools parser from this text, and the router forces a call with that format's grammar), tool
+# results in <tool_response> tags of a user turn. A chat without tools renders as plain ChatML.
 CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string %}{{- message['content'] }}"
-    "{%- elif message['content'] is not none %}"
-    "{%- for part in message['content'] %}"
+    # Text content: a string, or OpenAI-style parts ({"type": "text", "text": ...}; others skipped).
+    "{%- macro text(content) %}"
+    "{%- if content is string %}{{- content }}"
+    "{%- elif content is not none %}"
+    "{%- for part in content %}"
     "{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
     "{%- endfor %}{%- endif %}"
+    "{%- endmacro %}"
+    # Tools: one system turn (after the conversation's own system text) listing them as JSON.
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- text(messages[0]['content']) + '\\n\\n' }}"
+    "{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n'"
+    " 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and'"
+    " ' arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n'"
+    ' \'{"name": <function-name>, "arguments": <args-json-object>}\\n\''
+    " '</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    # Already written in the tools turn.
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message['content'] %}{{- '\\n' + text(message['content']) }}{%- endif %}"
+    "{%- for tool_call in message['tool_calls'] %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": ' }}{{- tool_call.name | tojson }}"
+    "{{- ', \"arguments\": ' }}"
+    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}"
+    "{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
     "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    # Consecutive tool results share one user turn, each in <tool_response> tags.
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + text(message['content']) + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + text(message['content']) + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )

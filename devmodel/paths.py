@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 # Bump when anything that changes the built files changes, so cached models get rebuilt.
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2  # 2: the chat template renders tools and tool calls
 BUILD_INFO_FILE = "mlxcel_build.json"
 WEIGHTS_FILE = "model.safetensors"
 DEFAULT_SIZE = "tiny"

@@ -239,7 +239,10 @@ def _digest(name: str, seed: int, config: dict[str, Any], tokenizer_dir: Path) -
     from mlx_lm import __version__ as mlx_lm_version
 
     spec = ZOO[name]
-    tokenizer = hashlib.sha256((Path(tokenizer_dir) / "tokenizer.json").read_bytes()).hexdigest()
+    # Every file copied in, the chat template's config too: a new template rebuilds the model.
+    tokenizer = hashlib.sha256(
+        b"".join((Path(tokenizer_dir) / file).read_bytes() for file in TOKENIZER_FILES)
+    ).hexdigest()
     parts = {
         "zoo_version": ZOO_VERSION,
         "seed": seed,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -93,6 +94,80 @@ def test_chat_template(loaded: tuple[object, object]) -> None:
     ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)  # type: ignore[attr-defined]
     assert ids.count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == 3  # type: ignore[attr-defined]
     assert set(tokenizer.eos_token_ids) == {1, 4}  # type: ignore[attr-defined]
+
+
+WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}},
+}
+TOOL_TURNS = [
+    {"role": "user", "content": "Weather?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": {"c": "Rome"}}},
+            {"type": "function", "function": {"name": "get_weather", "arguments": '{"c": 1}'}},
+        ],
+    },
+    {"role": "tool", "tool_call_id": "a", "content": "sun"},
+    {"role": "tool", "tool_call_id": "b", "content": [{"type": "text", "text": "rain"}]},
+]
+
+
+def test_chat_template_writes_hermes_tool_calls(loaded: tuple[object, object]) -> None:
+    """Tools, calls and results in the Qwen2.5/Hermes format, which mlx-lm recognises (its
+    json_tools parser) and the router can force; a chat without tools is plain ChatML."""
+    _, tokenizer = loaded
+    assert tokenizer.has_tool_calling  # type: ignore[attr-defined]
+    assert (tokenizer.tool_call_start, tokenizer.tool_call_end) == ("<tool_call>", "</tool_call>")  # type: ignore[attr-defined]
+    text = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+        [MESSAGES[0], *TOOL_TURNS], tools=[WEATHER], add_generation_prompt=True, tokenize=False
+    )
+    system, rest = text.split("<|im_end|>\n", 1)
+    assert system.startswith("<|im_start|>system\nYou are terse.\n\n# Tools")
+    assert f"<tools>\n{json.dumps(WEATHER)}\n</tools>" in system
+    assert rest == (
+        "<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant"
+        '\n<tool_call>\n{"name": "get_weather", "arguments": {"c": "Rome"}}\n</tool_call>'
+        '\n<tool_call>\n{"name": "get_weather", "arguments": {"c": 1}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\nsun\n</tool_response>"
+        "\n<tool_response>\nrain\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    plain = tokenizer.apply_chat_template(MESSAGES, tokenize=False)  # type: ignore[attr-defined]
+    assert plain == (
+        "<|im_start|>system\nYou are terse.<|im_end|>\n"
+        "<|im_start|>user\nWhere is the river?<|im_end|>\n"
+    )
+
+
+def test_an_older_build_is_rebuilt_with_the_current_template(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """A cached model of an earlier builder version (another chat template) is rebuilt, so a
+    template change reaches every cache dir."""
+    from transformers import AutoTokenizer
+
+    from devmodel.paths import BUILD_INFO_FILE, BUILDER_VERSION, built_model_dir
+    from shared.block_hash import BlockHasher, canary
+
+    old = built_model_dir(tmp_path, "tiny", 0)
+    shutil.copytree(tiny_dir, old)
+    info = json.loads((old / BUILD_INFO_FILE).read_text())
+    (old / BUILD_INFO_FILE).write_text(json.dumps({**info, "builder_version": BUILDER_VERSION - 1}))
+    config = json.loads((old / "tokenizer_config.json").read_text())
+    (old / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "x"}))
+    assert not model_builder.is_built(old)
+    before = AutoTokenizer.from_pretrained(old)
+    assert model_builder.ensure_model(tmp_path, "tiny", 0) == old
+    assert model_builder.is_built(old)
+    config = json.loads((old / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == model_builder.CHAT_TEMPLATE
+    # A worker still on the old build and a router on the new one hash the routing canary
+    # differently: the side that starts second refuses to (shared.canary_check), never silently.
+    hasher = BlockHasher()
+    after = AutoTokenizer.from_pretrained(old)
+    assert canary(before, "m", hasher) != canary(after, "m", hasher)
 
 
 def test_transformers_autotokenizer(tiny_dir: Path) -> None:

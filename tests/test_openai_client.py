@@ -3,8 +3,8 @@ API feature of docs/api.md driven the way an application drives it, each asserti
 tiny random-weight model really does, parsed into the client's typed objects.
 
 The pool runs with an API key (the client sends it as its `api_key`), a small admission bound
-(so a request of many choices is a 429) and request chat templates trusted (the tiny model's
-own template renders no tools). Prompts are ones this model never ends with EOS, and every
+(so a request of many choices is a 429) and request chat templates trusted (a test renders tools
+with a template of its own). Prompts are ones this model never ends with EOS, and every
 request bounds its tokens.
 """
 
@@ -462,13 +462,13 @@ TURNS: list[Any] = [{"role": "system", "content": "You are terse."}, *SDK_TURNS]
 
 def test_a_tool_conversation(client: openai.OpenAI, model: str, hf: Any) -> None:
     """Every role the SDK sends back in a tool loop, with `tools`: on the model's own template
-    (no tools in it) and on a request template that renders them and declares a call format;
-    the prompt is what the template makes of the messages, token for token."""
+    and on a request's template, both rendering the tools and declaring a call format; the
+    prompt is what the template makes of the messages, token for token."""
     own = client.chat.completions.create(
         model=model, messages=TURNS, tools=[WEATHER], max_tokens=4, temperature=0
     )
     text = hf.apply_chat_template(
-        as_template_sees(TURNS), tokenize=False, add_generation_prompt=True
+        as_template_sees(TURNS), tools=[WEATHER], tokenize=False, add_generation_prompt=True
     )
     assert own.usage is not None
     assert own.usage.prompt_tokens == len(hf.encode(text, add_special_tokens=False))

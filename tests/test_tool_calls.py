@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import redis
 
@@ -145,7 +146,8 @@ def feed_all(stream: ToolCallStream, pieces: list[str]) -> tuple[str, list[dict[
 
 def test_template_picks_mlx_lm_parser(hf: Any) -> None:
     assert infer_parser_name(TOOLS_TEMPLATE) == "json_tools"
-    assert infer_parser_name(hf.chat_template, hf.get_vocab()) is None  # the tiny model's own
+    # The tiny model's own template writes Hermes-style calls (devmodel.builder).
+    assert infer_parser_name(hf.chat_template, hf.get_vocab()) == "json_tools"
     assert infer_parser_name("{{ '<tool_call>\\n<function=' }}") == "qwen3_coder"
 
 
@@ -547,6 +549,37 @@ def test_a_named_tool_choice_calls_that_function(real_pool: Any, model_id: str) 
     ]
     assert calls and calls[0]["function"]["name"] == "get_time"
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_forced_calls_on_the_built_in_template(shared_pool: Any, model_id: str) -> None:
+    """The built-in template (no `chat_template` in the body) declares Hermes-style calls, so
+    "required" and a named tool_choice come back as parsed calls through the openai SDK, streamed
+    too, with no marker text left in the content."""
+    client = openai.OpenAI(base_url=f"{shared_pool.url}/v1", api_key="none", max_retries=0)
+    ask = {
+        "model": model_id,
+        "messages": [{"role": "user", "content": "Help?"}],
+        "tools": [CITY, ZONE],
+        "max_tokens": 64,
+        "temperature": 0,
+    }
+    required = client.chat.completions.create(**ask, tool_choice="required").choices[0]
+    assert required.finish_reason == "tool_calls"
+    assert not required.message.content
+    (call,) = required.message.tool_calls or []
+    args = json.loads(call.function.arguments)
+    assert call.function.name in ("get_city", "get_time")
+    assert list(args) == ["city" if call.function.name == "get_city" else "zone"]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    chosen = client.chat.completions.create(**ask, tool_choice=named).choices[0]
+    (call,) = chosen.message.tool_calls or []
+    assert call.function.name == "get_time"
+    assert json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
+    chunks = list(client.chat.completions.create(**ask, tool_choice=named, stream=True))
+    deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert deltas and deltas[0].function and deltas[0].function.name == "get_time"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_a_forced_call_grammar_follows_the_parameters_own_refs(tiny_model_dir: Path) -> None:
