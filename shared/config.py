@@ -86,6 +86,8 @@ class RouterConfig(_Section):
     tokenizer_copies: int = Field(4, ge=1, le=64)
     # A request's own `chat_template` runs code the operator did not write: refused unless set.
     trust_request_chat_template: bool = False
+    # A stored Responses API response (and the conversation it continues) lives this long.
+    responses_ttl_s: int = Field(86400, ge=1)
 
 
 class AdmissionConfig(_Section):
@@ -261,6 +263,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "MLXCEL_MAX_BODY_BYTES": ("router", "max_body_bytes"),
     "MLXCEL_TOKENIZER_COPIES": ("router", "tokenizer_copies"),
     "MLXCEL_TRUST_REQUEST_CHAT_TEMPLATE": ("router", "trust_request_chat_template"),
+    "MLXCEL_RESPONSES_TTL_S": ("router", "responses_ttl_s"),
     "MLXCEL_MAX_INFLIGHT": ("admission", "max_inflight"),
     "MLXCEL_MAX_INFLIGHT_PER_WORKER": ("admission", "max_inflight_per_worker"),
     "MLXCEL_MAX_QUEUED_PROMPT_TOKENS": ("admission", "max_queued_prompt_tokens"),

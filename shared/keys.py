@@ -29,6 +29,7 @@ script (Redis time there grows with the number of calls).
 | `mlxcel:routing:stats` | hash | routers: decisions, predicted vs reused tokens | none |
 | `mlxcel:routing:canary` | hash | routers and workers: model id -> canary hash | none |
 | `mlxcel:routing:rr` | string | routers: the round-robin cursor | none |
+| `mlxcel:response:<response_id>:state` | string | routers: a stored response | responses_ttl_s |
 
 The block index is fenced by the worker's epoch (new at every process start, in its info hash):
 a restarted or zombie process writes under an epoch nobody reads, and its keys lapse.
@@ -168,6 +169,12 @@ def routing_cursor() -> str:
     return f"{PREFIX}:routing:rr"
 
 
+def response_state(response_id: str) -> str:
+    """A stored Responses API response (router.dialects.response_store): the response object
+    and the conversation a continuation (`previous_response_id`) resumes, in any router."""
+    return f"{PREFIX}:response:{response_id}:state"
+
+
 def router_wake(hub_id: str) -> str:
     """A router process's own stream: a write here wakes its blocked multi-stream XREAD."""
     return f"{PREFIX}:router:{hub_id}:wake"
@@ -187,7 +194,7 @@ WORKER_KEY_TEMPLATES: dict[str, str] = {
 
 @dataclass(frozen=True)
 class ParsedKey:
-    kind: str  # "req" or "worker" or "control" or "workers"
+    kind: str  # "req" or "worker" or "control" or "workers" or "response"
     ident: str  # request id, worker id or reply id ("" for the roster)
     part: str  # "stream", "cancel", "info", "cache:counters", ...
 
@@ -205,13 +212,18 @@ def parse_key(key: str) -> ParsedKey:
         return ParsedKey("routing", "", parts[2])
     if len(parts) == 5 and parts[1] == "worker" and parts[2] and parts[3] == "blocks" and parts[4]:
         return ParsedKey("worker", parts[2], "blocks")
-    if len(parts) >= 4 and parts[1] in ("req", "worker", "control", "router") and parts[2]:
+    if (
+        len(parts) >= 4
+        and parts[1] in ("req", "worker", "control", "router", "response")
+        and parts[2]
+    ):
         part = ":".join(parts[3:])
         allowed = {
             "req": {"stream", "cancel"},
             "worker": {"info", "cache:counters", "control", "reaped", "routed", "load", "prefill"},
             "control": {"reply"},
             "router": {"wake"},
+            "response": {"state"},
         }[parts[1]]
         if part in allowed:
             return ParsedKey(parts[1], parts[2], part)

@@ -99,6 +99,7 @@ def test_mlxcel_keys_parse_back(name: str) -> None:
         "req": {"stream": keys.request_stream, "cancel": keys.request_cancel},
         "control": {"reply": keys.control_reply},
         "router": {"wake": keys.router_wake},
+        "response": {"state": keys.response_state},
         "worker": {
             "info": keys.worker_info,
             "cache:counters": keys.worker_cache_counters,
