@@ -62,6 +62,14 @@ def tiny_model_dir(cache_dir: Path) -> Path:
     return ensure_model(cache_dir, "tiny")
 
 
+@pytest.fixture(scope="session")
+def tiny_embed_model_dir(cache_dir: Path) -> Path:
+    """The tiny embedding model (devmodel.embedding): a worker started on it serves embeddings."""
+    from devmodel.embedding import ensure_embedding_model
+
+    return ensure_embedding_model(cache_dir)
+
+
 class WorkerProcess:
     """A real `mlxcel-pool worker` process against the test Redis."""
 

@@ -22,6 +22,7 @@ from router.admission.tokenization import TokenizerLoadError, load_tokenizer
 from shared import keys
 from shared.block_hash import BlockHasher, canary
 from shared.canary_check import CanaryMismatch
+from shared.embedding_wire import TASK_EMBEDDING, TASK_GENERATION
 from shared.liveness import read_roster
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,14 @@ class LiveModel:
     model_dir: str
     canary: str
     created: int  # the model directory's mtime, as /v1/models reports it (0: unreadable here)
+    # What its workers serve (shared.embedding_wire TASK_*): an info hash without `task` is a
+    # generation worker's; an embedding model's vectors have `dimensions` floats.
+    task: str = TASK_GENERATION
+    dimensions: int = 0
+
+    @property
+    def embeds(self) -> bool:
+        return self.task == TASK_EMBEDDING
 
 
 class ModelCatalog:
@@ -73,6 +82,13 @@ class ModelCatalog:
                 self._others[model_id] = self._load(live)
         return self._others[model_id]
 
+    def embedding_model(self, model_id: str) -> LiveModel | None:
+        """The live embedding model of this id, else None (a generation model, or none live)."""
+        if model_id == self.primary.model_id:
+            return None  # the router's own model is a generation model
+        live = self.live().get(model_id)
+        return live if live is not None and live.embeds else None
+
     def served(self) -> list[str]:
         """The router's own model, then every other one with a live worker."""
         return [
@@ -86,12 +102,24 @@ class ModelCatalog:
         if now - self._live_at < LIVE_CACHE_S:
             return self._live
         live: dict[str, LiveModel] = {}
-        for w in read_roster(self.r, ("model", "model_dir", "canary")):
+        fields = ("model", "model_dir", "canary", "task", "embedding_dimensions")
+        for w in read_roster(self.r, fields):
             mid = w.info.get("model")
             if not w.alive or mid is None:
                 continue
             path = w.info.get("model_dir", "")
-            live.setdefault(mid, LiveModel(mid, path, w.info.get("canary", ""), _mtime(path)))
+            dims = w.info.get("embedding_dimensions", "")
+            live.setdefault(
+                mid,
+                LiveModel(
+                    mid,
+                    path,
+                    w.info.get("canary", ""),
+                    _mtime(path),
+                    w.info.get("task") or TASK_GENERATION,
+                    int(dims) if dims.isdigit() else 0,
+                ),
+            )
         self._live, self._live_at = live, now
         return live
 

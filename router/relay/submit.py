@@ -8,10 +8,10 @@ from typing import TypeVar
 
 import anyio
 
-from router.admission.admit import Admission, AdmissionContext, Outcome
+from router.admission.admit import Admission, AdmissionContext, Outcome, quoted
 from router.admission.tokenization import TokenizerLoadError
 from router.edge.busy_gate import busy_error
-from router.placement.ledger import Placement
+from router.placement.place_call import Placement
 from router.pool_view.model_catalog import unknown_model_message
 from router.relay.logprobs import token_table
 from router.relay.routed import RoutedRequest
@@ -31,6 +31,9 @@ async def admit_and_submit(
 
     def run() -> Admission | RoutedRequest:
         model = getattr(body, "model", None) or state.model_id
+        if state.catalog.embedding_model(model) is not None:
+            message = f"The model {quoted(model)} is an embedding model: use POST /v1/embeddings."
+            return Admission(Outcome.INVALID, param="model", message=message)
         try:
             ctx = state.catalog.get(model)
         except (TokenizerLoadError, CanaryMismatch) as exc:  # its workers', not the caller's

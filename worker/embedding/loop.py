@@ -112,7 +112,7 @@ class EmbeddingLoop:
         except Exception as exc:  # a fault in the model: each job says so, the loop goes on
             log.exception("embedding %d job(s) failed", len(valid))
             for job in valid:
-                self._fail(job, f"the embedding failed: {exc}", ErrorKind.WORKER_FAILED, writes)
+                self._fail(job, f"the embedding failed: {exc}", ErrorKind.SERVER_ERROR, writes)
             return
         wid = self.presence.worker_id
         for job, vecs in zip(valid, vectors, strict=True):
