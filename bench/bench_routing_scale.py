@@ -62,7 +62,8 @@ import redis
 import redis.asyncio as aioredis
 from common import REPO, announce, output_args, table, tiny_model_dir, write_json
 
-from router.placement.ledger import RELEASE_LUA, AdmissionLedger, Placement
+from router.placement.ledger import RELEASE_LUA, AdmissionLedger
+from router.placement.place_call import Placement
 from shared import keys
 from shared.block_hash import BlockHasher, CacheNamespace, index_members
 from shared.config import Settings, load_settings

@@ -19,7 +19,8 @@ from rq import Queue
 from router.admission.admit import MAX_CHARS_PER_TOKEN, AdmissionContext, admit_chat
 from router.admission.tokenization import load_tokenizer
 from router.edge.openai_types import ChatCompletionRequest
-from router.placement.ledger import AdmissionLedger, Refusal
+from router.placement.ledger import AdmissionLedger
+from router.placement.place_call import Refusal
 from shared import keys
 from shared.config import (
     AdmissionConfig,

@@ -16,7 +16,8 @@ import redis.asyncio as aioredis
 from pydantic import SecretStr
 
 from router.edge.busy_gate import BusyGate
-from router.placement.ledger import AdmissionLedger, Placement
+from router.placement.ledger import AdmissionLedger
+from router.placement.place_call import Placement
 from shared import keys
 from shared.config import AdmissionConfig, AuthConfig, PromptCacheConfig, RoutingConfig
 from shared.model_facts import model_id_for

@@ -12,7 +12,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from router.placement.ledger import AdmissionLedger, Placement, Refusal
+from router.placement.ledger import AdmissionLedger
+from router.placement.place_call import Placement, Refusal
 from shared import keys
 from shared.block_hash import BlockHasher, CacheNamespace, index_members
 from shared.config import AdmissionConfig, PromptCacheConfig, RoutingConfig

@@ -15,7 +15,6 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from contextlib import suppress
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ import redis
 import redis.asyncio as aioredis
 
 from router.edge.busy_gate import BusyGate
+from router.placement.place_call import PlaceArgs, Placement, Refusal, parse_reply
 from router.placement.routing_metrics import observe_start
 from shared import keys
 from shared.config import AdmissionConfig, PromptCacheConfig, RoutingConfig
@@ -33,6 +33,13 @@ log = logging.getLogger(__name__)
 # Admission and placement: one script (router/placement/placement.lua), so a bound and a worker's
 # slot are decided and reserved together.
 PLACE_LUA = (Path(__file__).with_name("placement.lua")).read_text()
+PLACE_KEYS = [
+    keys.admission_inflight(),
+    keys.admission_queued_tokens(),
+    keys.workers_roster(),
+    keys.routing_stats(),
+    keys.routing_cursor(),
+]
 
 # A request started: its prompt tokens stop waiting, its load entry follows the worker that took
 # it (a stealing peer, or any worker off the shared queue), lapsing with its reservation, and the
@@ -97,46 +104,6 @@ return (#ARGV - 1) / 2
 """
 
 
-@dataclass(frozen=True)
-class Refusal:
-    """Why a request was not admitted: `inflight` or `tokens`, with the count and the bound;
-    `scope` "pool" (the pool's bound, every model's requests) or "model" (every live worker of
-    the request's model is at its own bound)."""
-
-    reason: str
-    current: int
-    bound: int
-    scope: str = "pool"
-
-    def message(self) -> str:
-        if self.reason == "inflight" and self.scope == "model":
-            return (
-                f"Every worker of this model is at its bound ({self.bound} requests in flight "
-                "between them); retry shortly."
-            )
-        if self.reason == "inflight":
-            return f"The pool is at its bound of {self.bound} requests in flight; retry shortly."
-        return (
-            f"The pool has {self.current} prompt tokens waiting for a worker (bound "
-            f"{self.bound}); retry shortly."
-        )
-
-
-@dataclass(frozen=True)
-class Placement:
-    """An admitted request and where it goes: `worker_id` "" means the model's shared queue (no
-    live worker yet: the first to come takes it)."""
-
-    outcome: str  # cache | spill | load | round_robin | no_worker
-    worker_id: str
-    predicted_tokens: int
-    cost: int
-
-
-def _text(v: object) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
 class AdmissionLedger:
     def __init__(
         self,
@@ -182,55 +149,43 @@ class AdmissionLedger:
         c, r = self.config, self.routing
         t = keys.WORKER_KEY_TEMPLATES
         opened = self.gate.opened  # a release after this makes this refusal stale
-        reply = self._place(
-            keys=[
-                keys.admission_inflight(),
-                keys.admission_queued_tokens(),
-                keys.workers_roster(),
-                keys.routing_stats(),
-                keys.routing_cursor(),
-            ],
-            args=[
-                request_id,
-                self._ttl_ms,
-                prompt_tokens,
-                c.max_inflight,
-                c.max_inflight_per_worker,
-                c.max_queued_prompt_tokens,
-                min_alive_pttl_ms(),
-                t["info"],
-                t["blocks"],
-                t["routed"],
-                t["load"],
-                t["prefill"],
-                model_id,
-                r.policy,
-                self.block_size,
-                self.min_match,
-                r.decode_weight,
-                r.balance_abs_threshold,
-                r.balance_rel_threshold,
-                keys.ROUTED_TTL_S * 1000,
-                len(siblings),
-                *siblings,
-                *members,
-            ],
+        call = PlaceArgs(
+            request_id=request_id,
+            ttl_ms=self._ttl_ms,
+            prompt_tokens=prompt_tokens,
+            max_inflight=c.max_inflight,
+            max_inflight_per_worker=c.max_inflight_per_worker,
+            max_queued_prompt_tokens=c.max_queued_prompt_tokens,
+            min_alive_pttl_ms=min_alive_pttl_ms(),
+            info_template=t["info"],
+            blocks_template=t["blocks"],
+            routed_template=t["routed"],
+            load_template=t["load"],
+            prefill_template=t["prefill"],
+            model=model_id,
+            policy=r.policy,
+            block_size=self.block_size,
+            min_match=self.min_match,
+            decode_weight=r.decode_weight,
+            balance_abs=r.balance_abs_threshold,
+            balance_rel=r.balance_rel_threshold,
+            routed_ttl_ms=keys.ROUTED_TTL_S * 1000,
+            siblings=list(siblings),
         )
-        if int(reply[0]) != 1:
-            refusal = Refusal(_text(reply[1]), int(reply[2]), int(reply[3]), _text(reply[4]))
-            pool_wide = refusal.scope == "pool"
+        reply = parse_reply(self._place(keys=PLACE_KEYS, args=call.argv(members)))
+        if isinstance(reply, Refusal):
+            pool_wide = reply.scope == "pool"
             # Too many choices for the places left is no sign of a full pool: a lone request
             # would still fit, so the door stays open.
-            too_many = pool_wide and refusal.current + 1 <= refusal.bound
-            if refusal.reason == "inflight" and not too_many:
-                self.gate.close(model_id, refusal.message(), pool_wide, opened)
-            return refusal
-        placement = Placement(_text(reply[1]), _text(reply[2]), int(reply[3]), int(reply[4]))
+            too_many = pool_wide and reply.current + 1 <= reply.bound
+            if reply.reason == "inflight" and not too_many:
+                self.gate.close(model_id, reply.message(), pool_wide, opened)
+            return reply
         for rid in (request_id, *siblings):
-            self._held[rid] = placement.worker_id
-        if int(reply[7]):
-            self._marks[request_id] = (placement.worker_id, int(reply[7]), members)
-        return placement
+            self._held[rid] = reply.worker_id
+        if reply.mark_score:
+            self._marks[request_id] = (reply.worker_id, reply.mark_score, members)
+        return reply
 
     async def started(self, request_id: str, worker_id: str, cached_tokens: int) -> None:
         """A worker started the request: its prompt tokens are no longer waiting; the placement

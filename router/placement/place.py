@@ -11,7 +11,8 @@ import redis
 
 from router.admission.admit import Admission, Outcome
 from router.metrics import ADMISSION_REFUSED
-from router.placement.ledger import AdmissionLedger, Placement, Refusal
+from router.placement.ledger import AdmissionLedger
+from router.placement.place_call import Placement, Refusal
 from router.placement.routing_metrics import observe_placement
 from shared.block_hash import BlockHasher, CacheNamespace, index_members
 from shared.wire import GenerationRequest

@@ -8,13 +8,9 @@
 --
 -- KEYS: 1 admission inflight zset, 2 admission queued hash, 3 worker roster set,
 --       4 routing stats hash, 5 round-robin cursor
--- ARGV: 1 request id, 2 reservation ttl ms, 3 prompt tokens, 4 max inflight,
---       5 max inflight per worker, 6 max queued prompt tokens, 7 min alive PTTL ms,
---       8 info key template, 9 blocks key template, 10 routed template, 11 load template,
---       12 prefill template, 13 model id, 14 policy, 15 block size, 16 min useful match,
---       17 decode weight (tokens per running sequence), 18 balance abs, 19 balance rel,
---       20 routed ttl ms, 21 k: how many siblings, 22..21+k their request ids,
---       22+k.. the prompt's block index members, in order
+-- ARGV: 1 the named scalars as one JSON object (router/placement/place_call.py PlaceArgs:
+--         request id, lease, bounds, key templates, model, policy, scoring weights, siblings),
+--       2.. the prompt's block index members, in order
 -- Returns {1, outcome, worker id or '', predicted cached tokens (the group's), cost, inflight,
 --          bound, the routed marks' score (0: none written)}
 --      or {0, 'inflight' | 'tokens', current, bound, 'pool' | 'model' (whose bound: the
@@ -39,29 +35,29 @@ end
 
 purge(KEYS[1], KEYS[2])
 
-local rid, ttl, prompt = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local limit, per_worker = tonumber(ARGV[4]), tonumber(ARGV[5])
-local max_queued, min_pttl = tonumber(ARGV[6]), tonumber(ARGV[7])
-local model, policy = ARGV[13], ARGV[14]
-local block_size, min_match = tonumber(ARGV[15]), tonumber(ARGV[16])
-local decode_weight = tonumber(ARGV[17])
-local balance_abs, balance_rel = tonumber(ARGV[18]), tonumber(ARGV[19])
-local routed_ttl = tonumber(ARGV[20])
-local siblings, k = {}, tonumber(ARGV[21])
-for i = 22, 21 + k do siblings[#siblings + 1] = ARGV[i] end
+local p = cjson.decode(ARGV[1])
+local rid, ttl, prompt = p.request_id, p.ttl_ms, p.prompt_tokens
+local limit, per_worker = p.max_inflight, p.max_inflight_per_worker
+local max_queued, min_pttl = p.max_queued_prompt_tokens, p.min_alive_pttl_ms
+local model, policy = p.model, p.policy
+local block_size, min_match = p.block_size, p.min_match
+local decode_weight = p.decode_weight
+local balance_abs, balance_rel = p.balance_abs, p.balance_rel
+local routed_ttl = p.routed_ttl_ms
+local siblings, k = p.siblings, #p.siblings
 local members = {}
-for i = 22 + k, #ARGV do members[#members + 1] = ARGV[i] end
+for i = 2, #ARGV do members[#members + 1] = ARGV[i] end
 local count = 1 + k  -- places in flight the request takes
 
 -- The live workers of the model, each with its load (its lapsed placements purged first).
 local live = {}
 for _, wid in ipairs(redis.call('SMEMBERS', KEYS[3])) do
-  local info = key(ARGV[8], wid)
+  local info = key(p.info_template, wid)
   if redis.call('PTTL', info) > min_pttl then
     local f = redis.call('HMGET', info, 'model', 'epoch', 'storage_mode', 'paged_block_size',
                          'checkpoint_tokens')
     if f[1] == model then
-      local load, prefill = key(ARGV[11], wid), key(ARGV[12], wid)
+      local load, prefill = key(p.load_template, wid), key(p.prefill_template, wid)
       purge(load, prefill)
       local queued = 0
       for _, v in ipairs(redis.call('HVALS', prefill)) do queued = queued + tonumber(v) end
@@ -110,7 +106,7 @@ if #live > 0 and #open == 0 then return {0, 'inflight', mine, per_worker * #live
 local function resumable_tokens(w)
   local last = math.min(#members, math.floor((prompt - 1) / block_size))
   if last < 1 then return 0 end
-  local blocks, routed = key(ARGV[9], w.wid, w.epoch), key(ARGV[10], w.wid)
+  local blocks, routed = key(p.blocks_template, w.wid, w.epoch), key(p.routed_template, w.wid)
   local held = redis.call('SMISMEMBER', blocks, unpack(members, 1, last))
   local marks = {}
   if redis.call('EXISTS', routed) == 1 then
@@ -129,7 +125,7 @@ end
 local function cached_tokens(w)
   if #members == 0 then return 0 end
   if w.snapshot then return resumable_tokens(w) end
-  local blocks, routed = key(ARGV[9], w.wid, w.epoch), key(ARGV[10], w.wid)
+  local blocks, routed = key(p.blocks_template, w.wid, w.epoch), key(p.routed_template, w.wid)
   local first_mark = redis.call('ZSCORE', routed, members[1])
   local first_routed = first_mark and tonumber(first_mark) > now
   if not first_routed and redis.call('SISMEMBER', blocks, members[1]) == 0 then return 0 end
@@ -196,7 +192,7 @@ reserve(KEYS[1])
 if prompt > 0 then redis.call('HSET', KEYS[2], rid, prompt) end
 redis.call('HINCRBY', KEYS[4], 'decisions:' .. outcome, 1)
 if chosen == nil then return {1, outcome, '', 0, 0, n + count, limit, 0} end
-local load, prefill = key(ARGV[11], chosen.wid), key(ARGV[12], chosen.wid)
+local load, prefill = key(p.load_template, chosen.wid), key(p.prefill_template, chosen.wid)
 reserve(load)
 redis.call('HSET', prefill, rid, prompt - chosen.cached)
 redis.call('PEXPIRE', load, routed_ttl)
@@ -204,7 +200,7 @@ redis.call('PEXPIRE', prefill, routed_ttl)
 local routed_score = 0
 if #members > 0 and policy == 'cache_aware' then
   routed_score = now + routed_ttl
-  local routed = key(ARGV[10], chosen.wid)
+  local routed = key(p.routed_template, chosen.wid)
   redis.call('ZREMRANGEBYSCORE', routed, '-inf', now)
   -- A snapshot worker will hold only the blocks where this prompt's prefill keeps checkpoints
   -- (worker/prompt_cache/checkpoints.py): each `every`-th, and the last before its last token.

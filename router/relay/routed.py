@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from router.admission.admit import Admission
 from router.admission.tool_calls import ToolCallStream
 from router.edge.openai_types import ResponseFormat
-from router.placement.ledger import Placement
+from router.placement.place_call import Placement
 from router.relay.progress import ChoiceProgress
 from shared.wire import GenerationRequest
 
