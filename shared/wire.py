@@ -29,6 +29,8 @@ MAX_REPETITION_PENALTY = 10.0  # repetition_penalty lies in (0, MAX_REPETITION_P
 MAX_LOGIT_BIAS = 100.0  # each logit_bias value lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]
 MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_TOP_LOGPROBS = 20  # the most alternatives a sampled token's logprob entry lists
+# The most stop_token_ids a request may carry (a set lookup per sampled token).
+MAX_STOP_TOKEN_IDS = 64
 # The largest grammar (response_format compiled by router.admission.structured_output, UTF-8 bytes)
 # a request may carry: its compile time is bounded with its size.
 MAX_GRAMMAR_BYTES = 256 * 1024
@@ -155,10 +157,18 @@ class GenerationRequest:
     # None: none; k: each prompt token's logprob (given the tokens before it) and its k most
     # likely alternatives, sent with the `start` event (completions `echo` with `logprobs`).
     prompt_logprobs: int | None = None
-    # Completions `echo`: the output's text continues the prompt's, so it is detokenized after
-    # the prompt's last token (a text that starts an output loses its first leading space).
+    # Completions `echo`: the response's text starts with the prompt's (the router adds it); the
+    # worker detokenizes every output after the prompt's last tokens, echoed or not.
     echo: bool = False
     stop: list[str] = field(default_factory=list)
+    # vLLM's stopping extras. An EOS token ends the sequence unless `ignore_eos`; one of
+    # `stop_token_ids` ends it like an EOS (finish "stop", not in the text); neither can end it
+    # (nor a stop string match) before `min_tokens` completion tokens; a matched stop string
+    # stays in the text with `include_stop_str_in_output`.
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     # response_format as one llguidance grammar (None: unconstrained), enforced while decoding.
     grammar: str | None = None
     # Prompt-cache isolation (spec): session key is prompt_cache_key, else user, else "".
@@ -188,6 +198,10 @@ class GenerationRequest:
         "prompt_logprobs": (int, type(None)),
         "echo": (bool,),
         "stop": (list,),
+        "ignore_eos": (bool,),
+        "min_tokens": (int,),
+        "stop_token_ids": (list,),
+        "include_stop_str_in_output": (bool,),
         "grammar": (str, type(None)),
         "session_key": (str,),
         "template_signature": (str,),
@@ -203,6 +217,10 @@ class GenerationRequest:
         "group": "",
         "prompt_logprobs": None,
         "echo": False,
+        "ignore_eos": False,
+        "min_tokens": 0,
+        "stop_token_ids": [],
+        "include_stop_str_in_output": False,
     }
 
     def to_wire(self) -> dict[str, Any]:
@@ -242,6 +260,7 @@ class GenerationRequest:
             raise WireError(f"GenerationRequest: seed must be in [0, 2**63 - 1], got {req.seed}")
         if not all(type(s) is str for s in req.stop):
             raise WireError("GenerationRequest: stop must be a list of str")
+        req._check_stopping()
         req._check_sampling_controls()
         if req.grammar is not None and not 0 < _utf8_size(req.grammar) <= MAX_GRAMMAR_BYTES:
             raise WireError(
@@ -252,6 +271,17 @@ class GenerationRequest:
                 f"GenerationRequest: group must be at most {MAX_GROUP_CHARS} characters"
             )
         return req
+
+    def _check_stopping(self) -> None:
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise WireError(
+                f"GenerationRequest: min_tokens must be in [0, max_tokens], got {self.min_tokens}"
+            )
+        ids = self.stop_token_ids
+        if len(ids) > MAX_STOP_TOKEN_IDS or not _all_ints(ids, minimum=0):
+            raise WireError(
+                f"GenerationRequest: stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} ints >= 0"
+            )
 
     def _check_sampling_controls(self) -> None:
         cls = type(self)

@@ -166,18 +166,28 @@ class MlxReference:
         self.model, self.tokenizer = load(str(model_dir))
 
     def run(self, prompt_tokens: list[int], max_tokens: int) -> tuple[str, int]:
-        """(text, completion tokens a client sees) for greedy decoding of `prompt_tokens`."""
+        """(text, completion tokens a client sees) for greedy decoding of `prompt_tokens`. The
+        text continues the prompt's, as OpenAI and vLLM return it (a first leading space kept,
+        which mlx-lm's own streamed text drops): the decoded whole less the decoded prompt."""
         from mlx_lm import stream_generate
 
-        text, n = "", 0
+        tokens: list[int] = []
         for resp in stream_generate(
             self.model, self.tokenizer, prompt_tokens, max_tokens=max_tokens
         ):
-            text += resp.text
-            n = resp.generation_tokens
-            if resp.finish_reason == "stop":
-                n -= 1  # the EOS token is not a completion token a client sees
-        return text, n
+            if resp.finish_reason == "stop" and resp.token in self.tokenizer.eos_token_ids:
+                break  # the EOS token is not a completion token a client sees
+            tokens.append(resp.token)
+        return continuation(self.tokenizer, prompt_tokens, tokens), len(tokens)
+
+
+def continuation(tokenizer: Any, prompt: list[int], completion: list[int]) -> str:
+    """The text `completion` adds after `prompt`: decode(prompt + completion) less
+    decode(prompt), what OpenAI and vLLM return as a completion's text."""
+    head = tokenizer.decode(list(prompt))
+    whole = tokenizer.decode(list(prompt) + list(completion))
+    assert whole.startswith(head), "the prompt's text must be a prefix (no split character)"
+    return whole[len(head) :]
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ import pytest
 from shared.config import load_settings
 from shared.model_facts import model_facts
 from shared.wire import GenerationRequest, StreamEvent
+from tests.conftest import continuation
 from worker.engine.engine import FAST_START_MAX_TOKENS, IDLE_RELEASE_S, Engine
 from worker.engine.grammar_compile import InlineExecutor
 from worker.engine.request import RequestStatus
@@ -165,17 +166,16 @@ def alone(tiny: Model, s: GenerationRequest, prompt_cache: PromptCache | None = 
 
 
 def reference(tiny: Model, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
-    """mlx-lm's own greedy tokens and text (as tests/conftest.py MlxReference runs it), EOS
-    left out."""
+    """mlx-lm's own greedy tokens, EOS left out, and their text continuing the prompt's (as
+    tests/conftest.py MlxReference runs it)."""
     from mlx_lm import stream_generate
 
-    tokens, text = [], ""
+    tokens = []
     for resp in stream_generate(tiny.model, tiny.tokenizer, prompt, max_tokens=max_tokens):
-        text += resp.text
         if resp.finish_reason == "stop" and resp.token in tiny.tokenizer.eos_token_ids:
             break
         tokens.append(resp.token)
-    return tokens, text
+    return tokens, continuation(tiny.tokenizer, prompt, tokens)
 
 
 def reference_tokens(tiny: Model, prompt: list[int], max_tokens: int) -> list[int]:
@@ -737,8 +737,8 @@ def test_a_group_asking_for_prompt_logprobs_scores_the_prompt_once(tiny: Model) 
     assert run.counters["batch_prefill_tokens"] == len(LONG) - 1
 
 
-def test_an_echoed_completion_keeps_its_leading_space(tiny: Model) -> None:
-    """mlx-lm's detokenizer drops the first leading space of an output; an echoed completion
+def test_a_completion_keeps_its_leading_space_echoed_or_not(tiny: Model) -> None:
+    """mlx-lm's detokenizer drops the first leading space of an output; every completion
     continues the prompt's text, so its text is what decoding prompt and completion gives."""
     prompt = list(tiny.tokenizer.encode("1, 2, 3, 4, 5,"))
     echoed = alone(tiny, spec("e", prompt, echo=True))
@@ -746,7 +746,7 @@ def test_an_echoed_completion_keeps_its_leading_space(tiny: Model) -> None:
     assert echoed.tokens("e") == plain.tokens("e")
     whole = tiny.tokenizer.decode(prompt + echoed.tokens("e"))
     assert tiny.tokenizer.decode(prompt) + echoed.text("e") == whole
-    assert echoed.text("e").startswith(" ") and echoed.text("e")[1:] == plain.text("e")
+    assert echoed.text("e").startswith(" ") and echoed.text("e") == plain.text("e")
 
 
 def test_an_idle_step_gives_mlx_buffer_cache_back(tiny: Model) -> None:

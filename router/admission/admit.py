@@ -30,6 +30,7 @@ from shared.wire import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_SEED,
+    MAX_STOP_TOKEN_IDS,
     GenerationRequest,
 )
 
@@ -206,7 +207,42 @@ def _sampling_controls(
         "logit_bias": _logit_bias(body.logit_bias, tok.vocab_size),
         "logprobs": _logprobs_asked(body),
         "grammar": _grammar(body, tok),
+        **_stopping(body, tok.vocab_size),
     }
+
+
+def _stopping(body: CompletionRequest | ChatCompletionRequest, vocab_size: int) -> dict[str, Any]:
+    """vLLM's stopping extras as GenerationRequest fields (min_tokens against max_tokens is
+    checked once the budget is known: `_min_tokens_fit`)."""
+    min_tokens = 0 if body.min_tokens is None else body.min_tokens
+    if min_tokens < 0:
+        raise _invalid(f"'min_tokens' must be at least 0, got {min_tokens}.", "min_tokens")
+    ids = list(body.stop_token_ids or [])
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise _invalid(
+            f"'stop_token_ids' may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}.",
+            "stop_token_ids",
+        )
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise _invalid(
+            f"'stop_token_ids' must be token ids in [0, {vocab_size}), got {bad}.",
+            "stop_token_ids",
+        )
+    return {
+        "ignore_eos": bool(body.ignore_eos),
+        "min_tokens": min_tokens,
+        "stop_token_ids": sorted(set(ids)),
+        "include_stop_str_in_output": bool(body.include_stop_str_in_output),
+    }
+
+
+def _min_tokens_fit(min_tokens: int, max_tokens: int, param: str) -> None:
+    if min_tokens > max_tokens:
+        raise _invalid(
+            f"'min_tokens' ({min_tokens}) must not exceed '{param}' ({max_tokens}).",
+            "min_tokens",
+        )
 
 
 def _grammar(body: CompletionRequest | ChatCompletionRequest, tok: PromptTokenizer) -> str | None:
@@ -502,6 +538,7 @@ def admit_completion(body: CompletionRequest, ctx: AdmissionContext) -> Admissio
         gens: list[GenerationRequest] = []
         for tokens in prompts:
             max_tokens = _max_tokens(requested, param, len(tokens), "prompt", ctx, echo)
+            _min_tokens_fit(controls["min_tokens"], max_tokens, param)
             gens += _choices(_build(ctx.model_id, body, tokens, max_tokens, "", controls), n)
         texts = _echo_texts(body, ctx.tokenizer) if echo else None
         per_choice = [texts[i // n] for i in range(len(gens))] if texts else None
@@ -522,6 +559,7 @@ def admit_chat(body: ChatCompletionRequest, ctx: AdmissionContext) -> Admission:
         tokens, signature = _chat_tokens(body, ctx)
         param, requested = _requested_max_tokens(body)
         max_tokens = _max_tokens(requested, param, len(tokens), "messages", ctx)
+        _min_tokens_fit(controls["min_tokens"], max_tokens, param)
         gen = _build(ctx.model_id, body, tokens, max_tokens, signature, controls)
         return Admission(Outcome.ADMIT, gen, requests=_choices(gen, body.n or 1))
     except _Refused as refused:

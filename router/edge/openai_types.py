@@ -91,6 +91,12 @@ class _SamplingFields(_Body):
     presence_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     logit_bias: dict[Text, float] | None = None
+    # vLLM's stopping extras; min_tokens' range and stop_token_ids' ids and count are checked in
+    # admission.
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
     # text, json_object, json_schema, regex or grammar: router.admission.structured_output compiles
     # it.
     response_format: JSONObject | None = None

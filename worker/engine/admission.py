@@ -19,6 +19,8 @@ def check_admissible(spec: GenerationRequest, vocab_size: int, context_length: i
         raise AdmissionError(f"prompt token id out of range for vocab size {vocab_size}")
     if spec.logit_bias and max(spec.logit_bias) >= vocab_size:
         raise AdmissionError(f"logit_bias token id out of range for vocab size {vocab_size}")
+    if spec.stop_token_ids and max(spec.stop_token_ids) >= vocab_size:
+        raise AdmissionError(f"stop_token_ids token id out of range for vocab size {vocab_size}")
     if n + spec.max_tokens > context_length:
         raise AdmissionError(
             f"prompt ({n} tokens) + max_tokens ({spec.max_tokens}) exceeds the model's "

@@ -50,6 +50,7 @@ from worker.engine.shared_prompt import (
     group_mate,
     prompt_kv_copies,
 )
+from worker.engine.stopping import min_tokens_mask, stop_rule, stop_sequences
 from worker.engine.text_stream import TextStream
 from worker.mlx_cpu.idle_memory import release_idle_memory
 from worker.mlx_cpu.last_logits import last_logits
@@ -65,8 +66,9 @@ FAST_START_MAX_TOKENS = 64
 IDLE_RELEASE_S = 1.0
 # A step with nothing to run but grammar compiles waits this long for one (seconds).
 COMPILE_WAIT_S = 0.005
-# An echoed completion's detokenizer is fed this many of the prompt's last tokens first: more
-# than one character's bytes ever span.
+# Every output's detokenizer is fed this many of the prompt's last tokens first, so its text
+# continues the prompt's (a first leading space kept, as OpenAI and vLLM do): more than one
+# character's bytes ever span.
 PRIMING_TOKENS = 8
 # How a request whose grammar failed while decoding says so (the worker cannot tell which field
 # the grammar came from).
@@ -158,11 +160,18 @@ class Engine:
         out = StepResult()
         now = self.clock()
         self._working()  # a request can compute here (a fast start) and leave buffers
+        rule = stop_rule(spec, self._eos)
         req = Request(
             spec=spec,
             ticket=ticket,
             namespace=CacheNamespace(self.model_id, spec.adapter_id, spec.template_signature),
-            text=TextStream(self.tokenizer.detokenizer, list(spec.stop)),
+            text=TextStream(
+                self.tokenizer.detokenizer,
+                list(spec.stop),
+                include_stop=spec.include_stop_str_in_output,
+                min_tokens=spec.min_tokens,
+            ),
+            stopping=rule,
             sampler=None,
             processors=[],
             admitted_at=now,
@@ -170,10 +179,13 @@ class Engine:
         )
         try:
             check_admissible(spec, self.vocab_size, self.context_length)
-            if spec.echo:  # its text continues the prompt's
-                req.text.prime(spec.prompt_tokens[-PRIMING_TOKENS:])
+            req.text.prime(spec.prompt_tokens[-PRIMING_TOKENS:])  # its text continues the prompt's
             req.sampler = make_request_sampler(spec, self.vocab_size)
             req.processors = make_logits_processors(spec)
+            # After logit_bias (no bias ends it early), before the grammar (worker/engine/stopping).
+            early = min_tokens_mask(rule, len(spec.prompt_tokens), self.vocab_size)
+            if early is not None:
+                req.processors.append(early)
             compiled = self._grammars.compile(spec.grammar) if spec.grammar is not None else None
             if compiled is not None and not compiled.done():
                 self._compiles.wait(req, compiled)  # step() starts it once its compile is done
@@ -423,6 +435,7 @@ class Engine:
             all_tokens=[list(cached_tokens)] if caches is not None else None,
             samplers=[req.sampler],
             logits_processors=[req.processors],
+            stop_sequences=[stop_sequences(req.stopping.ends)],
         )
         req.uid = uid
         self._running[uid] = req
@@ -450,7 +463,7 @@ class Engine:
         self.counters.batch_prefill_tokens += len(remaining)
         req.status = RequestStatus.DECODING
         budget_reason = "length" if spec.max_tokens == 1 else None
-        reason = "stop" if token in self._eos else budget_reason
+        reason = "stop" if token in req.stopping.ends else budget_reason
         reason, _ = self._accept(req, token, reason, out, entry)
         if reason is not None:
             # The KV covers the prompt; the sampled token was never fed back.
@@ -566,11 +579,12 @@ class Engine:
         """Fold one sampled token into the request: emit its text (and its logprob entry, when
         the request asked) and say why the request ends (None: it goes on), and whether a stop
         string ended it (BatchGenerator did not)."""
-        if reason == "stop" and token in self._eos:
-            return reason, False  # an EOS token ends the sequence: no text, no completion token
+        if reason == "stop" and token in req.stopping.ends:
+            return reason, False  # an EOS or stop token ends the sequence: no text, not counted
         req.completion_tokens += 1
         self.counters.completion_tokens += 1
-        delta = req.text.push(token)
+        # An EOS that did not end it (ignore_eos) is a special token: vLLM gives it no text.
+        delta = req.text.push(token, silent=token in self._eos)
         entries = [logprobs] if logprobs is not None else []
         out.emit(
             req, StreamEvent(kind="delta", text=delta.text, token_ids=[token], logprobs=entries)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from shared.wire import GenerationRequest
 from worker.engine.grammar import GrammarConstraint
 from worker.engine.sampling import LogitsProcessor, Sampler
+from worker.engine.stopping import StopRule
 from worker.engine.text_stream import TextStream
 from worker.prompt_cache.block_pool import CacheLease
 from worker.prompt_cache.keys import CacheNamespace
@@ -53,6 +54,7 @@ class Request:
     ticket: Any  # the Redis side's job handle; the engine never looks inside
     namespace: CacheNamespace
     text: TextStream
+    stopping: StopRule  # the tokens that end it (EOS, stop_token_ids) and its min_tokens
     sampler: Sampler | None  # None: greedy, batched with the other greedy sequences
     processors: list[LogitsProcessor]  # its penalties, logit bias, grammar; empty: none
     admitted_at: float

@@ -1,7 +1,9 @@
 """Per-sequence text: streaming detokenization and stop strings.
 
 Text that could still turn out to be the start of a stop string is held back, so a client never
-sees part of a stop string.
+sees part of a stop string. A stop string matches only where it ends in the text of a token
+past the first `min_tokens` (vLLM's rule, which may take in held-back text before it); the
+output ends right before it, or right after it with `include_stop`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ class TextDelta:
 class TextStream:
     detokenizer: Any  # mlx_lm StreamingDetokenizer (a private copy per sequence)
     stop: list[str] = field(default_factory=list)
+    include_stop: bool = False  # a matched stop string stays in the text
+    min_tokens: int = 0  # completion tokens whose text no stop string may end in
+    _tokens: int = 0  # completion tokens pushed so far
     _held: str = ""
     _stopped: bool = False
     _pushed: bool = False
@@ -34,7 +39,12 @@ class TextStream:
         self.detokenizer.finalize()
         _ = self.detokenizer.last_segment
 
-    def push(self, token: int) -> TextDelta:
+    def push(self, token: int, silent: bool = False) -> TextDelta:
+        """The text `token` adds. A `silent` one (an EOS generated past `ignore_eos`, special:
+        vLLM skips its text) only counts toward min_tokens."""
+        self._tokens += 1
+        if silent:
+            return TextDelta("", False)
         self._pushed = True
         self.detokenizer.add_token(token)
         return self._scan(self.detokenizer.last_segment)
@@ -54,14 +64,25 @@ class TextStream:
         if not self.stop:
             return TextDelta(segment, False)
         text = self._held + segment
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
-        if cut >= 0:
+        found = self._match(text, len(self._held)) if self._tokens > self.min_tokens else None
+        if found is not None:
             self._held = ""
             self._stopped = True
-            return TextDelta(text[:cut], True)
+            cut, end = found
+            return TextDelta(text[: end if self.include_stop else cut], True)
         keep = _longest_stop_prefix_suffix(text, self.stop)
         self._held = text[len(text) - keep :] if keep else ""
         return TextDelta(text[: len(text) - keep], False)
+
+    def _match(self, text: str, new_from: int) -> tuple[int, int] | None:
+        """(start, end) of the earliest stop string in `text` that ends past `new_from` (the
+        held-back text never holds a whole one, except from before min_tokens)."""
+        best: tuple[int, int] | None = None
+        for s in self.stop:
+            i = text.find(s, max(0, new_from - len(s) + 1))
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, i + len(s))
+        return best
 
 
 def _longest_stop_prefix_suffix(text: str, stops: list[str]) -> int:
