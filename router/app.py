@@ -33,7 +33,18 @@ from router.pool_view.cache_stats import register_pool_script
 from router.pool_view.model_catalog import ModelCatalog
 from router.relay.dispatch import Dispatcher, build_queue
 from router.relay.stream_hub import StreamHub
-from router.routes import cache, chat, completions, embeddings, health, metrics, models
+from router.routes import (
+    cache,
+    chat,
+    completions,
+    embeddings,
+    health,
+    messages,
+    metrics,
+    models,
+    responses,
+    tokenize,
+)
 from router.serve import SETTINGS_ENV
 from router.state import RouterState
 from shared.block_hash import BlockHasher, canary
@@ -182,6 +193,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(BusyGateMiddleware)
     # Last added, so it runs first: an unauthenticated request is refused before anything reads it.
     install_auth(app, load_access(app.state.settings.auth))
-    for module in (completions, chat, embeddings, models, health, cache, metrics):
+    routes = (
+        completions,
+        chat,
+        responses,
+        messages,
+        embeddings,
+        models,
+        health,
+        cache,
+        metrics,
+        tokenize,
+    )
+    for module in routes:
         app.include_router(module.router)
     return app

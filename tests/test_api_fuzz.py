@@ -1,6 +1,7 @@
 """The API fuzzed from its own OpenAPI schema (schemathesis) against a real pool: whatever a
 client sends, the answer is never a 5xx (but a documented 503), and every error is an OpenAI
-error object. Bounded examples per operation so CI stays fast."""
+error object (Anthropic's on the Messages API's routes). Bounded examples per operation so CI
+stays fast."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
+from router.dialects.anthropic_errors import speaks_anthropic
 from tests.pool_fixture import running_pool
 
 pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
@@ -63,6 +65,11 @@ def test_no_request_makes_a_server_error(fuzz_pool: Any) -> None:
             assert status < 500, (case.path, status, response.text[:500], case.body)
             if case.method.upper() == "HEAD":  # GET's status and headers, never a body
                 assert response.content == b"", (case.path, response.content[:200])
+            elif status >= 400 and speaks_anthropic(case.path):  # Anthropic's error shape
+                body = response.json()
+                assert set(body) == {"type", "error"} and body["type"] == "error", body
+                assert set(body["error"]) == {"type", "message"}, body
+                assert isinstance(body["error"]["message"], str) and body["error"]["message"]
             elif status >= 400:
                 body = response.json()
                 assert set(body) == {"error"}, body

@@ -24,6 +24,7 @@ from fastapi.routing import iter_route_contexts
 from mlxcel_pool.redis_server import EmbeddedRedis, free_port
 from mlxcel_pool.supervisor import settings_env
 from router.app import create_app
+from router.dialects.anthropic_errors import speaks_anthropic
 from router.edge.auth import ADMIN_PATHS, Access, Denial, load_access
 from shared.config import AuthConfig, ConfigError, Settings, load_settings
 from tests.test_router_validation import RouterServer, assert_error
@@ -112,6 +113,12 @@ def assert_401(resp: httpx.Response) -> None:
     if resp.request.method == "HEAD":  # the same answer, without its body
         assert resp.status_code == 401
         return
+    if speaks_anthropic(resp.request.url.path):  # the Messages API's routes: Anthropic's shape
+        assert resp.status_code == 401
+        body = resp.json()
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+        assert body["error"]["type"] == "authentication_error" and body["error"]["message"]
+        return
     err = assert_error(resp, 401)
     assert err == {**err, "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}
 
@@ -139,6 +146,8 @@ def test_every_route_needs_a_key_but_health_and_open_metrics(
     expected = {
         ("POST", "/v1/completions"),
         ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/messages"),
+        ("POST", "/v1/messages/count_tokens"),
         ("GET", "/v1/models"),
         ("GET", "/health"),
         ("GET", "/metrics"),
@@ -175,6 +184,24 @@ def test_every_configured_key_is_accepted(keyed: tuple[str, FastAPI], key: str) 
     assert resp.json()["object"] == "list"
 
 
+def test_a_key_may_come_as_x_api_key(keyed: tuple[str, FastAPI]) -> None:
+    """Anthropic's clients send their key as `x-api-key`: accepted on every route, and the
+    Messages API's refusals are in Anthropic's error shape."""
+    url, _ = keyed
+    resp = httpx.get(f"{url}/v1/models", headers={"x-api-key": FILE_KEY})
+    assert resp.status_code == 200, resp.text
+    body = {"model": "x", "messages": []}
+    refused = httpx.post(f"{url}/v1/messages/count_tokens", json=body)
+    assert_401(refused)
+    assert "x-api-key" in refused.json()["error"]["message"]
+    wrong = httpx.post(f"{url}/v1/messages", json=body, headers={"x-api-key": "sk-wrong"})
+    assert_401(wrong)
+    # With the key, the request reaches the route: its own 400 (no max_tokens), Anthropic's.
+    passed = httpx.post(f"{url}/v1/messages", json=body, headers={"x-api-key": ENV_KEYS[1]})
+    assert passed.status_code == 400, passed.text
+    assert passed.json()["error"]["type"] == "invalid_request_error"
+
+
 def test_the_scheme_is_case_insensitive(keyed: tuple[str, FastAPI]) -> None:
     url, _ = keyed
     resp = httpx.get(f"{url}/v1/models", headers={"Authorization": f"bearer {ENV_KEYS[1]}"})
@@ -192,7 +219,9 @@ def test_the_scheme_is_case_insensitive(keyed: tuple[str, FastAPI]) -> None:
         {"Authorization": f"Basic {ENV_KEYS[0]}"},
         {"Authorization": f"Token {ENV_KEYS[0]}"},
         {"Authorization": ENV_KEYS[0]},
-        {"X-API-Key": ENV_KEYS[0]},
+        {"X-API-Key": "sk-wrong"},
+        {"X-API-Key": ""},
+        {"Authorization": "Bearer sk-wrong", "X-API-Key": ENV_KEYS[0]},  # Authorization decides
         {"Authorization": "Bearer # keys for the test pool"},  # a comment line is no key
     ],
     ids=[
@@ -204,7 +233,9 @@ def test_the_scheme_is_case_insensitive(keyed: tuple[str, FastAPI]) -> None:
         "basic",
         "token",
         "bare",
-        "x-api-key",
+        "x-api-key-wrong",
+        "x-api-key-empty",
+        "bearer-wins",
         "comment",
     ],
 )
@@ -271,6 +302,9 @@ def test_the_decision_table() -> None:
     assert both.check(RESET, bearer(FILE_KEY)) is Denial.NOT_ADMIN
     assert both.check("/metrics", f"Basic {FILE_KEY}") is Denial.WRONG_SCHEME
     assert both.check("/metrics", bearer(ADMIN_KEY)) is None
+    assert both.check("/metrics", None, ADMIN_KEY) is None  # x-api-key
+    assert both.check(RESET, None, FILE_KEY) is Denial.NOT_ADMIN
+    assert both.check(RESET, bearer("sk-wrong"), ADMIN_KEY) is Denial.INVALID_KEY
     assert both.check("/health", None) is None
     assert not any(k in repr(both) for k in ALL_KEYS)
 

@@ -12,9 +12,11 @@ all answer 401 too, never revealing which routes exist.
 | `ADMIN_PATHS`                 | open               | any key          | admin key only |
 | everything else               | open               | any key          | any key        |
 
-"Any key" is a regular or an admin key; "open" with only admin keys configured means the API
-stays open and only the admin routes are locked. A refusal is a `Denial`; `DENIALS` maps each
-to its one status and OpenAI error body.
+A key is sent as `Authorization: Bearer <key>` or, without that header, as `x-api-key: <key>`
+(Anthropic's clients send theirs so). "Any key" is a regular or an admin key; "open" with only
+admin keys configured means the API stays open and only the admin routes are locked. A refusal
+is a `Denial`; `DENIALS` maps each to its one status and error message (in OpenAI's error body,
+or Anthropic's on the Messages API's paths).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from router.dialects.anthropic_errors import error_response as anthropic_error_response
+from router.dialects.anthropic_errors import speaks_anthropic
 from router.edge.errors import error_body
 from shared.config import ENV_VARS, AuthConfig, ConfigError
 
@@ -48,7 +52,7 @@ class Denial(enum.Enum):
     NOT_ADMIN = "not_admin"
 
 
-_BEARER_HINT = "Send it as 'Authorization: Bearer <key>'."
+_BEARER_HINT = "Send it as 'Authorization: Bearer <key>' (or as 'x-api-key: <key>')."
 # Denial -> (status, message, code). No message quotes the token presented: it may be a real key
 # sent to the wrong pool, and error bodies end up in client logs.
 DENIALS: dict[Denial, tuple[int, str, str]] = {
@@ -108,16 +112,22 @@ class Access:
     def public_paths(self) -> frozenset[str]:
         return (PUBLIC_PATHS | {METRICS_PATH}) if self.metrics_open else PUBLIC_PATHS
 
-    def check(self, path: str, authorization: str | None) -> Denial | None:
-        """None when a request for `path` with this Authorization header may go on."""
+    def check(
+        self, path: str, authorization: str | None, api_key: str | None = None
+    ) -> Denial | None:
+        """None when a request for `path` with this Authorization header (else, without one,
+        this `x-api-key` header: Anthropic's clients send theirs so) may go on."""
         if path in self.public_paths:
             return None
         admin_only = path in ADMIN_PATHS and bool(self.admin_keys)
         if not admin_only and not self.keys:
             return None
-        if authorization is None:
+        if authorization is None and api_key is None:
             return Denial.MISSING_KEY
-        token = bearer_token(authorization)
+        if authorization is not None:
+            token = bearer_token(authorization)
+        else:  # latin-1: the bytes the client sent (see bearer_token)
+            token = (api_key or "").strip().encode("latin-1")
         if token is None:
             return Denial.WRONG_SCHEME
         digest = _digest(token)
@@ -217,9 +227,11 @@ def route_path(scope: Scope) -> str:
     return path
 
 
-def denial_response(denial: Denial) -> JSONResponse:
+def denial_response(denial: Denial, path: str = "") -> JSONResponse:
     status, message, code = DENIALS[denial]
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    if speaks_anthropic(path):
+        return anthropic_error_response(status, message, headers)
     body = error_body(message, "invalid_request_error", None, code)
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -235,14 +247,15 @@ class AuthGate:
         if scope["type"] not in ("http", "websocket"):  # lifespan
             await self.app(scope, receive, send)
             return
-        authorization = Headers(scope=scope).get("authorization")
-        denial = self.access.check(route_path(scope), authorization)
+        headers = Headers(scope=scope)
+        path = route_path(scope)
+        denial = self.access.check(path, headers.get("authorization"), headers.get("x-api-key"))
         if denial is None:
             await self.app(scope, receive, send)
         elif scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})  # policy violation
         else:
-            await denial_response(denial)(scope, receive, send)
+            await denial_response(denial, path)(scope, receive, send)
 
 
 def install_auth(app: FastAPI, access: Access) -> None:

@@ -15,6 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from router.dialects.anthropic_errors import error_response as anthropic_error_response
+from router.dialects.anthropic_errors import speaks_anthropic
 from shared.errors import SHAPES, ErrorKind
 
 log = logging.getLogger(__name__)
@@ -123,16 +125,25 @@ def validation_failure(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     return f"Invalid value for {where}: {message}.", param
 
 
-async def _api_error(_: Request, exc: Exception) -> JSONResponse:
+def _respond(request: Request, err: APIError) -> JSONResponse:
+    """`err` in the shape of the API the request called: the Messages API's routes answer in
+    Anthropic's, every other route in OpenAI's."""
+    root = request.scope.get("root_path", "")
+    if speaks_anthropic(request.url.path.removeprefix(root) if root else request.url.path):
+        return anthropic_error_response(err.status, err.message, err.headers)
+    return err.response()
+
+
+async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    return exc.response()
+    return _respond(request, exc)
 
 
-async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     # FastAPI answers 422 with its own shape; OpenAI clients expect a 400 error object.
     assert isinstance(exc, RequestValidationError)
     message, param = validation_failure(list(exc.errors()))
-    return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+    return _respond(request, APIError(400, message, "invalid_request_error", param))
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
@@ -144,33 +155,22 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     else:
         message = str(exc.detail)
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    return JSONResponse(
-        error_body(message, kind, None, None), status_code=exc.status_code, headers=exc.headers
-    )
+    return _respond(request, APIError(exc.status_code, message, kind, headers=exc.headers))
 
 
 async def _redis_unreachable(request: Request, exc: Exception) -> JSONResponse:
     """Redis down or restarting (after the client's own retries): the pool cannot take the
     request now. A 503 the client may retry, not a 500."""
     log.warning("Redis error on %s %s: %s", request.method, request.url.path, exc)
-    return JSONResponse(
-        error_body(
-            "The pool's queue (Redis) is unreachable; retry shortly.",
-            "server_error",
-            None,
-            "redis_unavailable",
-        ),
-        status_code=503,
-        headers={"Retry-After": "1"},
-    )
+    message = "The pool's queue (Redis) is unreachable; retry shortly."
+    headers = {"Retry-After": "1"}
+    return _respond(request, APIError.of(ErrorKind.REDIS_UNAVAILABLE, message, headers=headers))
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return JSONResponse(
-        error_body("The server had an error while processing your request.", "server_error"),
-        status_code=500,
-    )
+    message = "The server had an error while processing your request."
+    return _respond(request, APIError(500, message, "server_error"))
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -1,0 +1,149 @@
+"""The Messages API served: a request translated to the router's chat request
+(router.dialects.anthropic_request), admitted and enqueued as chat completions are, and its one
+choice relayed as Anthropic's message object or event stream (router.dialects.anthropic_render).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from router.admission.admit import Admission, Outcome, admit_chat, chat_prompt
+from router.admission.tokenization import TokenizerLoadError
+from router.dialects.anthropic_render import (
+    MessageEvents,
+    MessageShape,
+    error_event,
+    matched_stop,
+    message_body,
+)
+from router.dialects.anthropic_request import chat_request
+from router.dialects.anthropic_types import CountTokensRequest, CreateMessageRequest
+from router.edge.openai_types import Usage
+from router.pool_view.model_catalog import unknown_model_message
+from router.relay.progress import ChoiceProgress, error_for
+from router.relay.streams import (
+    Events,
+    collect,
+    first_events,
+    open_streams,
+    served_by,
+    sse_headers,
+)
+from router.relay.submit import admit_and_submit
+from router.relay.tool_output import tool_streams
+from router.state import RouterState
+from shared.canary_check import CanaryMismatch
+from shared.wire import StreamEvent
+
+
+async def create_message(
+    body: CreateMessageRequest, request: Request, state: RouterState
+) -> Response:
+    chat = chat_request(body)
+    routed = await admit_and_submit(admit_chat, chat, state)
+    routed.stream = bool(body.stream)
+    if chat.tools and chat.tool_choice != "none":
+        routed.tool_streams = await anyio.to_thread.run_sync(
+            tool_streams, state, chat, routed.model
+        )
+    (progress,) = routed.start_relay()
+    generated: list[int] = []  # the token ids of the attempt that answers
+    (events,) = open_streams(request, state, routed)
+    events = _recorded(events, generated)
+    shape = MessageShape(routed.model)
+    if not routed.stream:
+        await collect(events, progress)
+        stop = await _stop_sequence(state, progress, generated)
+        text = "".join(progress.text)
+        answer = message_body(
+            shape, text, progress.tool_calls, progress.finish_reason, stop, progress.usage
+        )
+        return JSONResponse(answer, headers=served_by(progress.worker_id))
+    (first,) = await first_events([events])
+    chunks = _events(first, events, progress, generated, shape, state)
+    return StreamingResponse(chunks, media_type="text/event-stream", headers=sse_headers(first))
+
+
+async def count_tokens(body: CountTokensRequest, state: RouterState) -> dict[str, Any]:
+    """The prompt tokens the same request would have, tokenized as admission does; nothing is
+    enqueued."""
+    chat = chat_request(body)
+
+    def run() -> list[int] | Admission:
+        try:
+            ctx = state.catalog.get(body.model)
+        except (TokenizerLoadError, CanaryMismatch) as exc:  # its workers', not the caller's
+            return Admission(Outcome.NO_WORKER, message=f"The pool cannot serve the model: {exc}")
+        if ctx is None:
+            message = unknown_model_message(body.model, state.catalog.served())
+            return Admission(Outcome.UNKNOWN_MODEL, param="model", message=message)
+        return chat_prompt(chat, ctx)
+
+    counted = await anyio.to_thread.run_sync(run)
+    if isinstance(counted, Admission):
+        raise counted.error()
+    return {"input_tokens": len(counted)}
+
+
+async def _recorded(events: Events, generated: list[int]) -> Events:
+    """`events` as they come, with every delta's token ids kept in `generated` (a new attempt's
+    start drops a lost one's, as its progress drops its text)."""
+    async with aclosing(events):
+        async for ev in events:
+            if ev.kind == "start":
+                generated.clear()
+            generated.extend(ev.token_ids)
+            yield ev
+
+
+async def _stop_sequence(
+    state: RouterState, progress: ChoiceProgress, generated: list[int]
+) -> str | None:
+    """Which of the request's stop sequences ended it (router.dialects.anthropic_render's
+    matched_stop), or None."""
+    stops = progress.gen.stop
+    if progress.finish_reason != "stop" or not stops:
+        return None
+    ctx = await anyio.to_thread.run_sync(state.catalog.get, progress.gen.model)
+    if ctx is None:  # its workers went since admission: the text is what it is
+        return None
+    written = await anyio.to_thread.run_sync(ctx.tokenizer.decode, list(generated))
+    return matched_stop("".join(progress.text), written, stops)
+
+
+async def _events(
+    first: StreamEvent,
+    events: Events,
+    progress: ChoiceProgress,
+    generated: list[int],
+    shape: MessageShape,
+    state: RouterState,
+) -> AsyncIterator[bytes]:
+    out = MessageEvents(shape)
+    async with aclosing(events):
+        ev: StreamEvent | None = first
+        started = False
+        while ev is not None:
+            if ev.kind == "error":
+                yield error_event(error_for(ev))
+                return
+            text, calls = progress.on_event(ev)
+            head = b""
+            if not started:  # the first event (a start) says how much of the prompt was cached
+                started = True
+                prompt = Usage(len(progress.gen.prompt_tokens), 0, progress.usage.cached_tokens)
+                head = out.start(prompt)
+            data = head + out.text(text) + out.tool_calls(calls)
+            if ev.kind == "done":
+                stop = await _stop_sequence(state, progress, generated)
+                yield data + out.end(progress.finish_reason, stop, progress.usage)
+                return
+            if data:
+                yield data
+            ev = await anext(events, None)
