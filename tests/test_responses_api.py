@@ -17,10 +17,16 @@ import httpx
 import openai
 import pytest
 from openai import OpenAI
-from pydantic import BaseModel
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import BaseModel, TypeAdapter
 
 from mlxcel_pool.redis_server import free_port
 from mlxcel_pool.supervisor import settings_env
+from router.dialects.responses import ResponsesRequest
+from router.dialects.responses_output import ResponseShape
+from router.dialects.responses_stream import ResponseEvents
+from router.edge.errors import APIError
+from shared.errors import ErrorKind
 from tests.pool_fixture import wait_for
 from tests.streams import TINY_MODEL
 from tests.test_tool_calls import TOOLS_TEMPLATE
@@ -68,6 +74,57 @@ def test_plain_response_has_text_usage_and_its_shape(client: OpenAI) -> None:
         assert resp.incomplete_details.reason == "max_output_tokens" and usage.output_tokens == 4
     else:
         assert resp.status == "completed" and resp.incomplete_details is None
+
+
+def test_the_objects_validate_as_the_sdk_types(shared_pool: Any) -> None:
+    """Validated in full (the SDK itself builds them unchecked): every required field there."""
+    body = {"model": TINY_MODEL, "input": "Hi", "max_output_tokens": 4, "tools": [CITY]}
+    resp = Response.model_validate(
+        httpx.post(f"{shared_pool.url}/v1/responses", json=body, timeout=30).json()
+    )
+    assert resp.tools[0].name == "get_city" and resp.tool_choice == "auto"
+    with httpx.stream(
+        "POST", f"{shared_pool.url}/v1/responses", json={**body, "stream": True}, timeout=30
+    ) as streamed:
+        parsed = _sse(streamed.iter_bytes())
+    events = [STREAM_EVENT.validate_python(payload) for _, payload in parsed]
+    assert [name for name, _ in parsed] == [e.type for e in events]
+    assert events[-1].response.output[0].id == events[2].item.id
+
+
+STREAM_EVENT: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
+
+
+def _sse(chunks: Any) -> list[tuple[str, dict[str, Any]]]:
+    """(event line, data) of each SSE message."""
+    out = []
+    for message in b"".join(chunks).decode().split("\n\n"):
+        if message:
+            head, data = message.split("\n")
+            out.append((head.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    return out
+
+
+def test_a_failure_after_the_200_is_an_error_event_then_response_failed() -> None:
+    shape = ResponseShape(ResponsesRequest.model_validate({"input": "x"}), TINY_MODEL)
+    out = ResponseEvents(shape)
+    lost = APIError.of(ErrorKind.WORKER_LOST, "The pool lost the worker")
+    parsed = _sse(out.start() + out.text("Hel") + out.failed(lost))
+    events = [STREAM_EVENT.validate_python(payload) for _, payload in parsed]
+    assert [e.type for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "error",
+        "response.failed",
+    ]
+    assert [e.sequence_number for e in events] == list(range(7))
+    assert events[-2].code == "worker_lost" and events[-2].message == lost.message
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.error.code == "server_error"
+    assert failed.output[0].id == events[2].item.id
 
 
 def test_streamed_events_parse_and_equal_the_plain_text(client: OpenAI) -> None:
@@ -153,6 +210,21 @@ def test_a_tool_round_trip_continues_from_the_stored_call(client: OpenAI) -> Non
     assert reply.output[0].type == "message" and reply.output_text
     # The continuation's prompt holds the first turn's: longer by at least the call and result.
     assert reply.usage.input_tokens > first.usage.input_tokens
+    # The same conversation sent whole, the SDK's way (`input += response.output`), is the same
+    # prompt: the stored conversation is what the items translate to.
+    resent = _create(
+        client,
+        input=[
+            {"role": "user", "content": "Weather?"},
+            *(item.model_dump(exclude_none=True) for item in first.output),
+            {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"},
+        ],
+        tools=[CITY],
+        max_output_tokens=4,
+        extra_body=TOOL_BODY,
+    )
+    assert resent.usage.input_tokens == reply.usage.input_tokens
+    assert resent.output_text == reply.output_text
 
 
 def test_a_streamed_tool_call_arrives_as_function_call_events(client: OpenAI) -> None:

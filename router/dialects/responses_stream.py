@@ -100,10 +100,11 @@ class ResponseEvents:
         return response, [*out, self.event(kind, response=response)]
 
     def failed(self, err: APIError) -> list[bytes]:
+        """The `error` event names the pool's own code; the failed response's `error.code` is
+        the one of OpenAI's codes its clients know that fits."""
         code = err.code or err.type
-        failed = self.shape.envelope(
-            "failed", self.items, error={"code": code, "message": err.message}
-        )
+        error = {"code": _response_code(err), "message": err.message}
+        failed = self.shape.envelope("failed", self.items, error=error)
         return [
             self.event("error", code=code, message=err.message, param=err.param),
             self.event("response.failed", response=failed),
@@ -141,6 +142,12 @@ class ResponseEvents:
             self.event("response.content_part.done", **ids, part=part),
             self.event("response.output_item.done", output_index=index, item=item),
         ]
+
+
+def _response_code(err: APIError) -> str:
+    if err.status == 429:
+        return "rate_limit_exceeded"
+    return "server_error" if err.status >= 500 else "invalid_prompt"
 
 
 async def stream_response(
