@@ -462,7 +462,11 @@ def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
     return kwargs
 
 
-def _chat_tokens(body: ChatCompletionRequest, ctx: AdmissionContext) -> tuple[list[int], str]:
+def _chat_tokens(
+    body: ChatCompletionRequest, ctx: AdmissionContext, **render: bool
+) -> tuple[list[int], str]:
+    """The prompt's ids and template signature; `render`: encode_chat's keyword flags (only
+    POST /tokenize sets them)."""
     tok = ctx.tokenizer
     if not body.messages:
         raise _invalid("'messages' must be a non-empty list.", "messages")
@@ -484,7 +488,7 @@ def _chat_tokens(body: ChatCompletionRequest, ctx: AdmissionContext) -> tuple[li
     # tokenizer's own on the rendered text, before it is encoded (encode_chat).
     _fits_before_tokenizing(chars, "messages", tok, tok.context_length * MAX_CHARS_PER_TOKEN)
     try:
-        tokens, signature = tok.encode_chat(messages, body.chat_template, tools, kwargs)
+        tokens, signature = tok.encode_chat(messages, body.chat_template, tools, kwargs, **render)
     except ChatTemplateError as exc:
         raise _invalid(str(exc), "chat_template") from exc
     except PromptTooLong as exc:
@@ -576,3 +580,37 @@ def chat_prompt(body: ChatCompletionRequest, ctx: AdmissionContext) -> list[int]
         return tokens
     except _Refused as refused:
         return refused.admission
+
+
+def chat_prompt_tokens(
+    body: ChatCompletionRequest,
+    ctx: AdmissionContext,
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    add_special_tokens: bool = False,
+) -> list[int]:
+    """POST /tokenize of messages: the ids a chat completion of `body` would prompt with (the
+    same checks, template, tools and bounds as `admit_chat`, so the counts agree), or its
+    refusal as an APIError. Blocking: call it off the event loop."""
+    try:
+        render = {
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+            "add_special_tokens": add_special_tokens,
+        }
+        return _chat_tokens(body, ctx, **render)[0]
+    except _Refused as refused:
+        raise refused.admission.error() from None
+
+
+def completion_prompt_tokens(
+    prompt: str, ctx: AdmissionContext, add_special_tokens: bool = True
+) -> list[int]:
+    """POST /tokenize of a prompt: its ids as a completion of it would prompt with (with the
+    same bound on its length before tokenizing), or its refusal as an APIError. Blocking."""
+    try:
+        _fits_before_tokenizing(len(prompt), "prompt", ctx.tokenizer)
+    except _Refused as refused:
+        raise refused.admission.error() from None
+    return ctx.tokenizer.encode(prompt, add_special_tokens) if prompt else []

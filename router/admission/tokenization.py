@@ -123,10 +123,16 @@ class PromptTokenizer:
         """The longest text (characters) whose tokens can fit the context."""
         return self.context_length * self.max_chars_per_token
 
-    def encode(self, text: str) -> list[int]:
-        """Completions: the text as the model's tokenizer encodes it (special tokens included)."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Completions: the text as the model's tokenizer encodes it (special tokens included,
+        unless POST /tokenize asks for none)."""
         with self.pool.borrow(len(text)) as hf:
-            return list(hf.encode(text))
+            return list(hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def token_strings(self, tokens: list[int]) -> list[str]:
+        """Each id's vocabulary entry (POST /tokenize's `token_strs`, as vLLM writes them)."""
+        with self.pool.borrow() as hf:
+            return [str(t) for t in hf.convert_ids_to_tokens(tokens)]
 
     def decode(self, tokens: list[int]) -> str:
         """Token ids as text (completions `echo` of a prompt sent as ids)."""
@@ -139,11 +145,16 @@ class PromptTokenizer:
         template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
     ) -> tuple[list[int], str]:
         """Chat: render the template (the request's, else the model's) with `tools` and the
         request's extra template variables, then encode the text without adding special tokens
         again (the template writes them). Returns (ids, signature); PromptTooLong, before
-        encoding, when the rendered text is longer than `max_chars`.
+        encoding, when the rendered text is longer than `max_chars`. The keyword flags are
+        POST /tokenize's (vLLM's); a chat completion keeps their defaults.
 
         A `developer` message (OpenAI's newer name for system) keeps its role when the template
         names that role, and is rendered as `system` otherwise."""
@@ -161,7 +172,8 @@ class PromptTokenizer:
                     tools=tools or None,
                     chat_template=used,
                     tokenize=False,
-                    add_generation_prompt=True,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
                     **(template_kwargs or {}),
                 )
             except Exception as exc:  # jinja2 errors of any kind: a bad template is bad input
@@ -169,7 +181,7 @@ class PromptTokenizer:
         if len(text) > self.max_chars:
             raise PromptTooLong(len(text), self.max_chars)
         with self.pool.borrow(len(text)) as hf:
-            ids = list(hf.encode(text, add_special_tokens=False))
+            ids = list(hf.encode(text, add_special_tokens=add_special_tokens))
         return ids, template_signature(used)
 
     def grammar_spec(self) -> tuple[str, int, Any]:
