@@ -54,6 +54,12 @@ REAPED_TTL_S = 3600
 # this long once failed (its hash, result and failed-registry entry), not rq's year.
 MALFORMED_JOB_TTL_S = 600
 
+# rq's records of a job: a finished one's result, a failed one's (when its job names no
+# failure_ttl; rq's own default is a year), and how long a job may wait queued.
+JOB_RESULT_TTL_S = 600
+JOB_FAILURE_TTL_S = 3600
+JOB_QUEUED_TTL_S = 600
+
 # A placed request's routed blocks and load entry lapse this long after their router last
 # refreshed them (a crashed router's placements free themselves).
 ROUTED_TTL_S = 30
@@ -75,6 +81,15 @@ def model_queue_name(model_id: str) -> str:
 
 
 _RQ_WORKER_PREFIX = "mlxcel-"
+
+
+# rq's own prefix of a queue's key (rq.Queue.redis_queue_namespace_prefix; a test pins it).
+RQ_QUEUE_PREFIX = "rq:queue:"
+
+
+def rq_queue_key(queue_name: str) -> str:
+    """rq's list of the job ids waiting in a queue (what `rq.Queue(name).key` is)."""
+    return RQ_QUEUE_PREFIX + queue_name
 
 
 def rq_worker_name(worker_id: str) -> str:

@@ -55,3 +55,16 @@ def test_router_app_loads_no_mlx_at_run_time() -> None:
         check=True,
     )
     assert out.stdout.strip() == ""
+
+
+def test_the_rq_keys_we_name_are_rqs_own() -> None:
+    """shared.keys names rq's queue keys and job TTLs without importing rq's classes at each use
+    site: its names must be rq's."""
+    import redis
+    from rq import Queue
+
+    from shared import keys
+
+    assert keys.RQ_QUEUE_PREFIX == Queue.redis_queue_namespace_prefix
+    unconnected = redis.Redis()  # rq builds the key without a round trip
+    assert keys.rq_queue_key("mlxcel:w:w1") == Queue("mlxcel:w:w1", connection=unconnected).key

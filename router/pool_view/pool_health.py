@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from rq import Queue
-
 from router.pool_view.cache_stats import read_pool
 from router.state import RouterState
 from shared import keys
@@ -32,11 +30,7 @@ async def pool_health(state: RouterState) -> tuple[bool, dict[str, Any]]:
 
 async def queue_depths(state: RouterState, live: list[WorkerCacheSnapshot]) -> list[int]:
     """Jobs waiting: in the router's model's shared queue, then in each live worker's own."""
-    sync_redis = state.dispatcher.sync_redis
-    # rq names its own queue keys; build them through rq rather than by hand.
-    worker_queue_keys = [
-        Queue(keys.worker_queue_name(w.worker_id), connection=sync_redis).key for w in live
-    ]
+    worker_queue_keys = [keys.rq_queue_key(keys.worker_queue_name(w.worker_id)) for w in live]
     async with state.aredis.pipeline(transaction=False) as pipe:
         for key in (state.queue_key, *worker_queue_keys):
             pipe.llen(key)

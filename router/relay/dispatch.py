@@ -37,9 +37,6 @@ from shared.wire import (
 
 log = logging.getLogger(__name__)
 
-RESULT_TTL_S = 600
-FAILURE_TTL_S = 3600
-QUEUED_TTL_S = 600
 # A request that ended without its worker's last event (client gone, timeout, worker lost) gets its
 # cancel flag and its stream lingers this long instead of being deleted: the worker may write a
 # step or two more before it reads the flag (each of its writes sets the stream's TTL too).
@@ -84,9 +81,9 @@ class Dispatcher:
                 kwargs={"request": req.to_wire()},
                 job_id=req.request_id,
                 timeout=self.job_timeout_s,
-                result_ttl=RESULT_TTL_S,
-                failure_ttl=FAILURE_TTL_S,
-                ttl=QUEUED_TTL_S,
+                result_ttl=keys.JOB_RESULT_TTL_S,
+                failure_ttl=keys.JOB_FAILURE_TTL_S,
+                ttl=keys.JOB_QUEUED_TTL_S,
                 description=describe(req, worker_id),
                 pipeline=pipe,
             )

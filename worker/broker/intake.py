@@ -34,10 +34,10 @@ from worker.broker.presence import WorkerPresence
 
 log = logging.getLogger("mlxcel.worker.intake")
 
-RESULT_TTL_S = 600
-# A failed job's record lives this long when its job names no failure_ttl (rq's own default is
-# a year); a job no router would write gets keys.MALFORMED_JOB_TTL_S.
-FAILURE_TTL_S = 3600
+# A failed job's record lives keys.JOB_FAILURE_TTL_S when its job names no failure_ttl; a job no
+# router would write gets keys.MALFORMED_JOB_TTL_S.
+RESULT_TTL_S = keys.JOB_RESULT_TTL_S
+FAILURE_TTL_S = keys.JOB_FAILURE_TTL_S
 # A burst's jobs arrive a few ms apart (the router tokenizes and enqueues each): a pause this long
 # ends the burst.
 GATHER_GAP_S = 0.008

@@ -118,7 +118,7 @@ class PeerQueues:
 
 
 def _queue_key(wid: str) -> str:
-    return Queue.redis_queue_namespace_prefix + keys.worker_queue_name(wid)
+    return keys.rq_queue_key(keys.worker_queue_name(wid))
 
 
 def _parse_time(raw: bytes | None) -> float | None:
