@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import threading
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -229,3 +230,61 @@ def test_models_serve_only_their_own_task(pool: Any, embed_model: str) -> None:
     # The generation model still generates beside it.
     done = _post(pool, {"model": TINY_MODEL, "prompt": [5, 6], "max_tokens": 2}, "/v1/completions")
     assert done.status_code == 200, done.text
+
+
+def _enqueue_raw(pool: Any, model: str, job_id: str, kwargs: dict[str, Any]) -> None:
+    """A job on the model's queue as no router would write it (the worker's own checks)."""
+    from rq import Queue
+
+    from shared.embedding_wire import EMBED_JOB_FUNC
+    from shared.wire import MsgpackSerializer
+
+    r = redis.Redis.from_url(pool.redis_url)
+    queue = Queue(keys.model_queue_name(model), connection=r, serializer=MsgpackSerializer)
+    queue.enqueue_call(EMBED_JOB_FUNC, kwargs=kwargs, job_id=job_id, result_ttl=60)
+
+
+def _reply(pool: Any, job_id: str) -> Any:
+    from shared.embedding_wire import EmbeddingReply
+    from shared.wire import STREAM_FIELD
+
+    r = redis.Redis.from_url(pool.redis_url)
+    stream = keys.request_stream(job_id)
+    entries = wait_for(lambda: r.xrange(stream), 30, f"the reply to {job_id}")
+    assert len(entries) == 1
+    return EmbeddingReply.from_wire(entries[0][1][STREAM_FIELD])
+
+
+@pytest.mark.parametrize(
+    ("inputs", "reason"),
+    [([], "inputs"), ([["a"]], "ints"), ([[7] * (CONTEXT + 1)], "context"), ([[10**6]], "vocab")],
+)
+def test_the_worker_fails_a_job_no_router_would_write(
+    pool: Any, embed_model: str, inputs: list[Any], reason: str
+) -> None:
+    from rq.job import Job, JobStatus
+
+    from shared.wire import MsgpackSerializer
+
+    job_id = f"raw-{uuid.uuid4().hex}"
+    payload = {"request_id": job_id, "model": embed_model, "inputs": inputs}
+    _enqueue_raw(pool, embed_model, job_id, {"embedding": payload})
+    reply = _reply(pool, job_id)
+    assert reply.kind == "error" and reply.error_type == "invalid_request_error"
+    assert reason in reply.error and reply.worker_id == EMBED_WORKER
+    r = redis.Redis.from_url(pool.redis_url)
+    job = Job.fetch(job_id, connection=r, serializer=MsgpackSerializer)
+    assert wait_for(lambda: job.get_status(refresh=True) == JobStatus.FAILED, 10, "failed")
+    # The worker goes on serving.
+    resp = _post(pool, {"model": embed_model, "input": "still here"})
+    assert resp.status_code == 200, resp.text
+
+
+def test_pool_views_and_cache_reset_count_the_embedding_worker(pool: Any) -> None:
+    stats = httpx.get(f"{pool.url}/v1/cache/stats")
+    assert stats.status_code == 200, stats.text
+    metrics = httpx.get(f"{pool.url}/metrics")
+    assert metrics.status_code == 200 and EMBED_WORKER in metrics.text
+    reset = httpx.post(f"{pool.url}/v1/cache/reset", timeout=30).json()
+    assert reset["workers"][EMBED_WORKER]["replied"] is True
+    assert reset["cleared"] is True
