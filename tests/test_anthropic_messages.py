@@ -266,6 +266,10 @@ def test_any_tool_with_parallel_use_disabled_makes_one_call(client: anthropic.An
     uses = [b for b in call.content if b.type == "tool_use"]
     assert len(uses) == 1 and uses[0].name in ("get_city", "get_time")
     assert call.stop_reason == "tool_use"
+    # The model's own template (the built-in one has a tool-call format) forces it too.
+    own = _create(client, messages=_user("Help?"), max_tokens=64, tools=[ZONE], tool_choice=choice)
+    (use,) = [b for b in own.content if b.type == "tool_use"]
+    assert use.name == "get_time" and use.input["zone"] in ("UTC", "CET")
     # tool_choice none: the tools are not offered, and no call is made.
     plain = _create(client, tools=[CITY], tool_choice={"type": "none"}, extra_body=WITH_TEMPLATE)
     assert plain.stop_reason == "max_tokens" and all(b.type == "text" for b in plain.content)
@@ -309,6 +313,7 @@ IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png"
         (_body(messages=[{"role": "user", "content": [{**CALL, "type": "tool_use"}]}]), "tool_use"),
         (_body(max_tokens="8"), "max_tokens"),
         (_body(temperature=1.5), "temperature"),
+        (_body(stop_sequences=[f"s{i}" for i in range(17)]), "stop_sequences"),
         (_body(max_tokens=10**9), "max_tokens"),
         (_body(tools=[{"type": "web_search_20250305", "name": "web_search"}]), "tools"),
         (_body(tool_choice={"type": "tool", "name": "nope"}), "tool_choice"),
@@ -323,6 +328,7 @@ IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png"
         "tool-use-from-user",
         "string-max-tokens",
         "temperature",
+        "stop-sequences",
         "past-context",
         "server-tool",
         "unknown-tool-choice",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+from router.admission.admit import MAX_STOP_SEQUENCES
 from router.dialects.anthropic_types import (
     AnyChoice,
     AutoChoice,
@@ -53,6 +54,13 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
         messages += _messages(i, message)
     fields: dict[str, object] = {}
     if isinstance(body, CreateMessageRequest):
+        stops = body.stop_sequences or []
+        if len(stops) > MAX_STOP_SEQUENCES:  # admission would name chat's field, `stop`
+            raise APIError.of(
+                ErrorKind.INVALID_REQUEST,
+                f"'stop_sequences' may hold at most {MAX_STOP_SEQUENCES} sequences.",
+                "stop_sequences",
+            )
         fields = {
             "max_tokens": body.max_tokens,
             "temperature": body.temperature,
