@@ -8,7 +8,8 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router.edge.errors import error_body
+from router.edge.errors import APIError
+from shared.errors import ErrorKind
 
 
 class BodyLimit:
@@ -25,7 +26,7 @@ class BodyLimit:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            body = error_body(self._message(), "invalid_request_error", None, "body_too_large")
+            body = APIError.of(ErrorKind.BODY_TOO_LARGE, self._message()).body()
             await JSONResponse(body, status_code=413)(scope, receive, send)
             return
         seen = 0

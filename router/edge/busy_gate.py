@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.edge.errors import APIError
 from router.metrics import ADMISSION_REFUSED
+from shared.errors import ErrorKind
 
 # The routes whose requests the ledger admits.
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -85,7 +86,7 @@ def busy_error(shut: Shut, retry_after_s: int) -> APIError:
     """The 429 the ledger's refusal would have produced, counted as one."""
     ADMISSION_REFUSED.labels("inflight").inc()
     headers = {"Retry-After": str(retry_after_s)}
-    return APIError(429, shut.message, "rate_limit_error", None, "rate_limit_exceeded", headers)
+    return APIError.of(ErrorKind.POOL_BUSY, shut.message, headers=headers)
 
 
 class BusyGateMiddleware:

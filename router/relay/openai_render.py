@@ -27,6 +27,7 @@ from router.relay.streams import (
     sse_headers,
 )
 from router.state import RouterState
+from shared.errors import ErrorKind
 from shared.wire import StreamEvent
 
 
@@ -182,11 +183,6 @@ def _logprob_renderer(state: RouterState, model: str, chat: bool) -> LogprobRend
     """Blocking (the first request with logprobs builds its tokenizer's token table)."""
     ctx = state.catalog.get(model)  # admission loaded it: found without a Redis read
     if ctx is None:
-        raise APIError(
-            503,
-            f"No live worker serves '{model}' now; retry shortly.",
-            "server_error",
-            None,
-            "no_live_worker",
-        )
+        message = f"No live worker serves '{model}' now; retry shortly."
+        raise APIError.of(ErrorKind.NO_LIVE_WORKER, message)
     return LogprobRenderer(token_table(ctx.tokenizer), chat)

@@ -11,6 +11,7 @@ from fastapi import APIRouter
 from router.admission.admit import quoted
 from router.edge.errors import APIError
 from router.state import RouterState, StateDep
+from shared.errors import ErrorKind
 
 router = APIRouter()
 
@@ -37,10 +38,5 @@ async def get_model(model_id: str, state: StateDep) -> dict[str, Any]:
     for model in await anyio.to_thread.run_sync(_served, state):
         if model["id"] == model_id:
             return model
-    raise APIError(
-        404,
-        f"The model {quoted(model_id)} does not exist.",
-        "invalid_request_error",
-        "model",
-        "model_not_found",
-    )
+    message = f"The model {quoted(model_id)} does not exist."
+    raise APIError.of(ErrorKind.UNKNOWN_MODEL, message, param="model")

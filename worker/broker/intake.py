@@ -29,6 +29,7 @@ from rq.results import Result
 from rq.utils import current_timestamp, now, utcformat
 
 from shared import keys
+from shared.errors import ErrorKind
 from shared.wire import STREAM_FIELD, GenerationRequest, MsgpackSerializer, StreamEvent
 from worker.broker.presence import WorkerPresence
 
@@ -288,7 +289,7 @@ class RqIntake:
         )
         p.zadd(registry.key, {job_id: current_timestamp() + ttl})
         p.lrem(queue.intermediate_queue_key, 0, job_id)
-        event = StreamEvent(kind="error", error=reason, error_type="invalid_request_error")
+        event = StreamEvent(kind="error", error=reason, error_type=ErrorKind.INVALID_REQUEST)
         append_events(p, job_id, [event.to_wire()])
         if pipe is None:
             p.execute()
