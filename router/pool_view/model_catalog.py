@@ -83,9 +83,8 @@ class ModelCatalog:
         return self._others[model_id]
 
     def embedding_model(self, model_id: str) -> LiveModel | None:
-        """The live embedding model of this id, else None (a generation model, or none live)."""
-        if model_id == self.primary.model_id:
-            return None  # the router's own model is a generation model
+        """The live embedding model of this id, else None (a generation model, or none live).
+        Its workers say so, even for the router's own model."""
         live = self.live().get(model_id)
         return live if live is not None and live.embeds else None
 

@@ -107,6 +107,8 @@ class EmbeddingLoop:
         if not valid:
             return
         inputs = [job.embedding.inputs for job in valid if job.embedding is not None]
+        # rq's state says busy while the passes run (`rq info`); the publish sets it idle.
+        self.presence.set_busy(True, self.presence.connection)
         try:
             vectors = embed_jobs(self.model, inputs, on_pass=self.presence.progress)
         except Exception as exc:  # a fault in the model: each job says so, the loop goes on
