@@ -230,6 +230,17 @@ def test_a_stop_token_id_ends_it_out_of_the_text(tiny: Tiny) -> None:
     assert got.text == continuation(tiny.tokenizer, P1, want[:k])
 
 
+def test_a_stop_token_id_past_the_vocabulary_fails_the_job_alone(tiny: Tiny) -> None:
+    """A job no router would write (the router's 400 comes first) fails as the caller's."""
+    eng = engine(tiny)
+    vocab = int(tiny.model.args.vocab_size)
+    res = eng.admit(spec("bad", P1, 4, stop_token_ids=[vocab]))
+    (events,) = res.events.values()
+    assert [e.kind for e in events] == ["error"]
+    assert events[0].error_type == "invalid_request_error" and "stop_token_ids" in events[0].error
+    assert eng.active == 0 and run(eng, [spec("ok", P1, 4)])["ok"].completion_tokens == 4
+
+
 def test_a_batch_mixing_extras_gives_each_its_own_result(tiny: Tiny) -> None:
     """One batch: requests with and without the extras, each as it runs alone."""
     want = greedy(tiny, P1, 12)

@@ -10,9 +10,10 @@ At each step a sequence's logits go through, in order:
    a seen token's logit is divided by the penalty when positive, multiplied when negative),
    then `frequency_penalty` (minus the penalty per occurrence) and `presence_penalty` (minus it
    once) over the completion only (OpenAI's and vLLM's rule), then `logit_bias` (added last, so
-   +100 forces a token and -100 bans it whatever the penalties did); with a response_format the
-   engine appends its grammar's mask after them all (worker/engine/grammar.py), so no bias can
-   bring back a token the grammar bans;
+   +100 forces a token and -100 bans it whatever the penalties did); with `min_tokens` the
+   engine appends the mask of the tokens that would end the sequence early
+   (worker/engine/stopping.py), and with a response_format its grammar's mask after them all
+   (worker/engine/grammar.py), so no bias can bring back a token the grammar bans;
 2. a log-softmax: THE DISTRIBUTION THAT LOGPROBS REPORT (BatchGenerator's `Response.logprobs`).
    It is the model's distribution after this request's processors and before temperature and
    top-k/top-p/min-p truncation; with neutral penalties and no bias it is exactly the model's
