@@ -227,6 +227,16 @@ def test_a_tool_round_trip_continues_from_the_stored_call(client: OpenAI) -> Non
     assert resent.output_text == reply.output_text
 
 
+def test_the_built_in_template_calls_tools_too(client: OpenAI) -> None:
+    """No request template: the model's own renders the tools and names the call format."""
+    resp = _create(
+        client, input="Weather?", tools=[CITY], tool_choice="required", max_output_tokens=64
+    )
+    (call,) = resp.output
+    assert call.type == "function_call" and call.name == "get_city"
+    assert json.loads(call.arguments)["city"] in ("Paris", "Rome")
+
+
 def test_a_streamed_tool_call_arrives_as_function_call_events(client: OpenAI) -> None:
     events = list(_forced_call(client, stream=True))
     types = [e.type for e in events]
@@ -399,6 +409,17 @@ def test_langchain_chat_openai_on_the_responses_api(shared_pool: Any) -> None:
         ),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id"),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0.type"),
+        ({"input": [{"type": {"a": 1}}]}, "input.0.type"),
+        (
+            {"input": [{"role": "user", "content": [{"type": ["input_text"]}]}]},
+            "input.0.content.0.type",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]},
+            "input.0.content.0.text",
+        ),
+        ({"input": [{"role": "tool", "content": "x"}]}, "input.0.role"),
+        ({"input": []}, "input"),
         ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
         (
             {"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},

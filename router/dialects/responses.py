@@ -68,6 +68,12 @@ def invalid(message: str, param: str | None) -> APIError:
     return APIError.of(ErrorKind.INVALID_REQUEST, message, param)
 
 
+def _shown(value: Any, limit: int = 100) -> str:
+    """A client's value quoted in an error message, cut short (an error never echoes megabytes)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
 def refuse_unserved(body: ResponsesRequest) -> None:
     """A field asking for something this pool does not do is a 400, never silently ignored."""
     if body.background:
@@ -82,7 +88,7 @@ def refuse_unserved(body: ResponsesRequest) -> None:
         )
     if body.include:
         raise invalid(
-            f"'include' asks for {body.include!r}, which this pool does not serve.", "include"
+            f"'include' asks for {_shown(body.include)}, which this pool does not serve.", "include"
         )
     if body.truncation == "auto":
         raise invalid("Only 'truncation': 'disabled' is served.", "truncation")
@@ -166,10 +172,11 @@ def _text_of(parts: str | list[dict[str, Any]], where: str) -> str:
         return parts
     out = []
     for i, part in enumerate(parts):
-        field = TEXT_PARTS.get(part.get("type"))  # type: ignore[arg-type]
+        kind = part.get("type")
+        field = TEXT_PARTS.get(kind) if isinstance(kind, str) else None
         if field is None:
             raise invalid(
-                f"'{where}.{i}.type' is {part.get('type')!r}: only text parts "
+                f"'{where}.{i}.type' is {_shown(kind)}: only text parts "
                 f"({', '.join(TEXT_PARTS)}) are served.",
                 f"{where}.{i}.type",
             )
@@ -193,12 +200,14 @@ def items_to_messages(items: list[dict[str, Any]], where: str) -> list[Message]:
     out: list[Message] = []
     for i, raw in enumerate(items):
         kind = raw.get("type", "message" if "role" in raw else None)
-        if kind in DROPPED_ITEMS:
+        named = isinstance(kind, str)  # any JSON value may come: a list or object names nothing
+        if named and kind in DROPPED_ITEMS:
             continue
-        model = ITEM_TYPES.get(kind) if isinstance(kind, str) else None
+        model = ITEM_TYPES.get(kind) if named else None
         if model is None:
             raise invalid(
-                f"'{where}.{i}.type' is {kind!r}: served item types are {', '.join(ITEM_TYPES)}.",
+                f"'{where}.{i}.type' is {_shown(kind)}: served item types are "
+                f"{', '.join(ITEM_TYPES)}.",
                 f"{where}.{i}.type",
             )
         item = parse_as(model, raw, (where, i))
@@ -235,7 +244,7 @@ def chat_tools(body: ResponsesRequest) -> list[dict[str, Any]] | None:
     for i, raw in enumerate(body.tools):
         if raw.get("type") != "function":
             raise invalid(
-                f"'tools.{i}' is a {raw.get('type')!r} tool: only function tools are served "
+                f"'tools.{i}' is a {_shown(raw.get('type'))} tool: only function tools are served "
                 "(built-in tools such as web_search, file_search, computer use, code "
                 "interpreter, MCP or image generation are not).",
                 f"tools.{i}.type",
@@ -275,7 +284,7 @@ def response_format(body: ResponsesRequest) -> dict[str, Any] | None:
         schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
         return {"type": "json_schema", "json_schema": schema}
     raise invalid(
-        f"'text.format.type' is {kind!r}: served are text, json_schema and json_object.",
+        f"'text.format.type' is {_shown(kind)}: served are text, json_schema and json_object.",
         "text.format.type",
     )
 
