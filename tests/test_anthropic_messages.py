@@ -12,6 +12,7 @@ end with EOS.
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -369,3 +370,21 @@ def test_unknown_paths_and_methods_answer_in_anthropic_shape(shared_pool: Any) -
     # Every other route keeps OpenAI's shape.
     other = httpx.post(f"{shared_pool.url}/v1/chat/completions", json={}, timeout=10)
     assert other.status_code == 400 and set(other.json()) == {"error"}
+
+
+def test_a_body_past_the_bound_is_an_anthropic_413(shared_pool: Any) -> None:
+    """Refused from its Content-Length alone, before a byte of it is read."""
+    url = httpx.URL(shared_pool.url)
+    head = (
+        f"POST /v1/messages HTTP/1.1\r\nHost: {url.host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {10**10}\r\nConnection: close\r\n\r\n"
+    )
+    with socket.create_connection((url.host, url.port), timeout=10) as conn:
+        conn.sendall(head.encode())
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+    status_line, _, rest = answer.partition(b"\r\n")
+    assert b" 413 " in status_line, answer
+    body = json.loads(rest.partition(b"\r\n\r\n")[2])
+    assert body["type"] == "error" and body["error"]["type"] == "request_too_large"

@@ -126,8 +126,8 @@ def test_while_shut_the_router_refuses_at_its_door_and_a_local_end_opens_it(
         refused = client.post("/v1/completions", json=good)  # the ledger's refusal shuts it
         assert refused.status_code == 429, refused.text
         assert refused.headers["Retry-After"] == "3"
-        # Shut: refused before the body is read (a malformed one too, on both generation
-        # routes) with the ledger's words; other routes and an unauthenticated caller are
+        # Shut: refused before the body is read (a malformed one too, on every generation
+        # route) with the ledger's words; other routes and an unauthenticated caller are
         # answered as ever.
         for path in ("/v1/completions", "/v1/chat/completions"):
             shut = client.post(path, content=b"{not json")
@@ -136,6 +136,11 @@ def test_while_shut_the_router_refuses_at_its_door_and_a_local_end_opens_it(
             assert (error["type"], error["code"]) == ("rate_limit_error", "rate_limit_exceeded")
             assert "bound of 1 requests in flight" in error["message"]
             assert shut.headers["Retry-After"] == "3"
+        shut = client.post("/v1/messages", content=b"{not json")  # in Anthropic's error shape
+        assert shut.status_code == 429 and shut.headers["Retry-After"] == "3", shut.text
+        body = shut.json()
+        assert body["type"] == "error" and body["error"]["type"] == "rate_limit_error"
+        assert "bound of 1 requests in flight" in body["error"]["message"]
         assert client.get("/v1/models").status_code == 200
         assert httpx.post(f"{url}/v1/completions", json=good).status_code == 401
         # The holder's client leaves: its release opens the gate at once (the hold is 30 s).

@@ -5,10 +5,9 @@ chunked body), so no handler ever holds more than the bound in memory."""
 from __future__ import annotations
 
 from starlette.exceptions import HTTPException
-from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router.edge.errors import APIError
+from router.edge.errors import APIError, response_for
 from shared.errors import ErrorKind
 
 
@@ -26,8 +25,8 @@ class BodyLimit:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            body = APIError.of(ErrorKind.BODY_TOO_LARGE, self._message()).body()
-            await JSONResponse(body, status_code=413)(scope, receive, send)
+            refusal = APIError.of(ErrorKind.BODY_TOO_LARGE, self._message())
+            await response_for(scope, refusal)(scope, receive, send)  # in the API's shape
             return
         seen = 0
 

@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from router.edge.errors import APIError
+from router.edge.errors import APIError, response_for
 from router.metrics import ADMISSION_REFUSED
 from shared.errors import ErrorKind
 
 # The routes whose requests the ledger admits.
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/messages"})
 ALL_MODELS = ""
 
 
@@ -106,6 +106,6 @@ class BusyGateMiddleware:
             shut = state.dispatcher.ledger.gate.refusal() if state is not None else None
             if shut is not None:
                 retry = state.settings.admission.retry_after_s
-                await busy_error(shut, retry).response()(scope, receive, send)
+                await response_for(scope, busy_error(shut, retry))(scope, receive, send)
                 return
         await self.app(scope, receive, send)

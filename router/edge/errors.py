@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Scope
 
 from router.dialects.anthropic_errors import error_response as anthropic_error_response
 from router.dialects.anthropic_errors import speaks_anthropic
@@ -125,13 +126,17 @@ def validation_failure(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     return f"Invalid value for {where}: {message}.", param
 
 
-def _respond(request: Request, err: APIError) -> JSONResponse:
+def response_for(scope: Scope, err: APIError) -> JSONResponse:
     """`err` in the shape of the API the request called: the Messages API's routes answer in
     Anthropic's, every other route in OpenAI's."""
-    root = request.scope.get("root_path", "")
-    if speaks_anthropic(request.url.path.removeprefix(root) if root else request.url.path):
+    path: str = scope["path"]
+    if speaks_anthropic(path.removeprefix(scope.get("root_path", ""))):
         return anthropic_error_response(err.status, err.message, err.headers)
     return err.response()
+
+
+def _respond(request: Request, err: APIError) -> JSONResponse:
+    return response_for(request.scope, err)
 
 
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
