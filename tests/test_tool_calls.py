@@ -19,16 +19,16 @@ import subprocess
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import openai
 import pytest
 import redis
+from pydantic import BaseModel, ConfigDict, SecretStr
 
 from router.admission.tool_calls import ToolCallStream, infer_parser_name, load_parser
 from shared.wire import StreamEvent
-from tests.pool_fixture import running_pool
 from tests.test_router_relay import (  # noqa: F401  (fixtures)
     hf,
     model_id,
@@ -387,10 +387,8 @@ def test_bad_tool_input_is_a_400_naming_the_param(
 
 
 @pytest.fixture(scope="module")
-def real_pool(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    env = {"MLXCEL_TRUST_REQUEST_CHAT_TEMPLATE": "true"}
-    with running_pool(tiny_model_dir, tmp_path_factory.mktemp("tools"), env=env) as p:
-        yield p
+def real_pool(shared_pool: Any) -> Any:
+    return shared_pool  # the session's pool: this module needs no settings of its own
 
 
 @pytest.mark.pool
@@ -580,6 +578,38 @@ def test_forced_calls_on_the_built_in_template(shared_pool: Any, model_id: str) 
     assert deltas and deltas[0].function and deltas[0].function.name == "get_time"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+class Pick(BaseModel):
+    """A city to look up."""
+
+    # additionalProperties: false. A schema that allows other keys lets random weights write
+    # one key name forever (the grammar admits any), which a trained model would not.
+    model_config = ConfigDict(extra="forbid")
+    city: Literal["Paris", "Rome"]
+
+
+def test_langchain_function_calling_on_the_built_in_template(
+    shared_pool: Any, model_id: str
+) -> None:
+    """LangChain's `with_structured_output(method="function_calling")` (a named tool_choice) and
+    `bind_tools(tool_choice="any")` ("required") on the default model's own template: the forced
+    call comes back parsed into the schema."""
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(
+        base_url=f"{shared_pool.url}/v1",
+        api_key=SecretStr("none"),
+        model=model_id,
+        max_completion_tokens=64,
+        temperature=0,
+        max_retries=0,
+    )
+    picked = llm.with_structured_output(Pick, method="function_calling").invoke("Which city?")
+    assert isinstance(picked, Pick) and picked.city in ("Paris", "Rome")
+    message = llm.bind_tools([Pick], tool_choice="any").invoke("Which city?")
+    (call,) = message.tool_calls  # type: ignore[attr-defined]
+    assert call["name"] == "Pick" and call["args"]["city"] in ("Paris", "Rome")
 
 
 def test_a_forced_call_grammar_follows_the_parameters_own_refs(tiny_model_dir: Path) -> None:
