@@ -30,12 +30,9 @@ from pathlib import Path
 from fastapi import FastAPI
 from pydantic import SecretStr
 from starlette.datastructures import Headers
-from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from router.dialects.anthropic_errors import error_response as anthropic_error_response
-from router.dialects.anthropic_errors import speaks_anthropic
-from router.edge.errors import error_body
+from router.edge.errors import APIError, response_for
 from shared.config import ENV_VARS, AuthConfig, ConfigError
 
 # Liveness probes must work without a key: a load balancer has none.
@@ -227,13 +224,10 @@ def route_path(scope: Scope) -> str:
     return path
 
 
-def denial_response(denial: Denial, path: str = "") -> JSONResponse:
+def denial_error(denial: Denial) -> APIError:
     status, message, code = DENIALS[denial]
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    if speaks_anthropic(path):
-        return anthropic_error_response(status, message, headers)
-    body = error_body(message, "invalid_request_error", None, code)
-    return JSONResponse(body, status_code=status, headers=headers)
+    return APIError(status, message, "invalid_request_error", None, code, headers)
 
 
 class AuthGate:
@@ -248,14 +242,15 @@ class AuthGate:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        path = route_path(scope)
-        denial = self.access.check(path, headers.get("authorization"), headers.get("x-api-key"))
+        authorization, api_key = headers.get("authorization"), headers.get("x-api-key")
+        denial = self.access.check(route_path(scope), authorization, api_key)
         if denial is None:
             await self.app(scope, receive, send)
         elif scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})  # policy violation
         else:
-            await denial_response(denial, path)(scope, receive, send)
+            # In the error shape of the API called (Anthropic's on the Messages API's paths).
+            await response_for(scope, denial_error(denial))(scope, receive, send)
 
 
 def install_auth(app: FastAPI, access: Access) -> None:
