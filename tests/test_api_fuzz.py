@@ -5,8 +5,6 @@ stays fast."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,7 +12,6 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 
 from router.dialects.anthropic_errors import speaks_anthropic
-from tests.pool_fixture import running_pool
 
 pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
 
@@ -26,9 +23,8 @@ EXAMPLES = 40  # per operation
 
 
 @pytest.fixture(scope="module")
-def fuzz_pool(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    with running_pool(tiny_model_dir, tmp_path_factory.mktemp("fuzz")) as pool:
-        yield pool
+def fuzz_pool(shared_pool: Any) -> Any:
+    return shared_pool  # the session's pool: this module needs no settings of its own
 
 
 def _aim(body: Any, model: str) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,7 +16,7 @@ from rq.registry import CanceledJobRegistry, FinishedJobRegistry, StartedJobRegi
 
 from shared import keys
 from shared.wire import MsgpackSerializer
-from tests.pool_fixture import running_pool, wait_for
+from tests.pool_fixture import wait_for
 from tests.streams import pool_queues
 
 pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
@@ -28,9 +27,8 @@ MAX_TOKENS = 1900
 
 
 @pytest.fixture(scope="module")
-def pool(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    with running_pool(tiny_model_dir, tmp_path_factory.mktemp("disconnect")) as p:
-        yield p
+def pool(shared_pool: Any) -> Any:
+    return shared_pool  # the session's pool: this module needs no settings of its own
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -55,6 +53,11 @@ def test_a_client_that_hangs_up_is_let_go(pool: Any, stream: bool) -> None:
 
     before = jobs()
 
+    def generated() -> int:  # the worker's completion tokens so far (the pool is shared)
+        return int(r.hget(keys.worker_cache_counters("w1"), "completion_tokens") or 0)
+
+    tokens_before = generated()
+
     def impatient_client() -> None:
         # Non-streaming: it gives up waiting for the body; streaming: it reads a chunk and
         # hangs up. Either way the connection closes while the worker is still generating.
@@ -77,9 +80,5 @@ def test_a_client_that_hangs_up_is_let_go(pool: Any, stream: bool) -> None:
     # Let go within a step or two of the router noticing, not after MAX_TOKENS tokens.
     assert time.monotonic() - hung_up < 3
     assert job.id not in registries[0].get_job_ids()
-    tokens = wait_for(
-        lambda: int(r.hget(keys.worker_cache_counters("w1"), "completion_tokens") or 0),
-        10,
-        "counters",
-    )
+    tokens = wait_for(lambda: generated() - tokens_before, 10, "counters")
     assert tokens < MAX_TOKENS

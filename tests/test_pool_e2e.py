@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.pool_fixture import running_pool, sse_events
+from tests.pool_fixture import sse_events
 from tests.streams import SHARED_QUEUE, TINY_MODEL
 
 pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
@@ -36,11 +36,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def pool(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    with running_pool(
-        tiny_model_dir, tmp_path_factory.mktemp("pool"), overrides={"worker": {"batch_size": 8}}
-    ) as p:
-        yield p
+def pool(shared_pool: Any) -> Any:
+    return shared_pool  # the session's pool: this module needs no settings of its own
 
 
 def _messages(prompt: str) -> list[dict[str, str]]:

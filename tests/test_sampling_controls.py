@@ -10,7 +10,7 @@ logprobs, streamed and not, and the 400s that refuse bad values and unserved fie
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ import pytest
 
 from shared.model_facts import model_facts
 from shared.wire import GenerationRequest
-from tests.pool_fixture import ok, post, running_pool, sse_events
+from tests.pool_fixture import ok, post, sse_events
 from tests.test_engine import (
     LONG,
     P1,
@@ -361,11 +361,8 @@ CHAT = [{"role": "user", "content": "1, 2, 3, 4, 5,"}]
 
 
 @pytest.fixture(scope="module")
-def pool(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    with running_pool(
-        tiny_model_dir, tmp_path_factory.mktemp("controls"), overrides={"worker": {"batch_size": 4}}
-    ) as p:
-        yield p
+def pool(shared_pool: Any) -> Any:
+    return shared_pool  # the session's pool: this module needs no settings of its own
 
 
 @pytest.mark.pool

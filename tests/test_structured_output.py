@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from llguidance import LLMatcher
 from router.admission.structured_output import JSON_DEFAULTS
 from shared.model_facts import model_facts
 from shared.wire import MAX_GRAMMAR_BYTES
-from tests.pool_fixture import ok, post, running_pool, sse_events
+from tests.pool_fixture import ok, post, sse_events
 from tests.test_engine import (
     LONG,
     P1,
@@ -182,13 +181,8 @@ JSON_SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def pool(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    with running_pool(
-        tiny_model_dir,
-        tmp_path_factory.mktemp("structured"),
-        overrides={"worker": {"batch_size": 4}, "router": {"processes": 1}},
-    ) as p:
-        yield p
+def pool(shared_pool: Any) -> Any:
+    return shared_pool  # the session's pool: this module needs no settings of its own
 
 
 def chat(pool: Any, **body: Any) -> dict[str, Any]:
