@@ -24,7 +24,7 @@ from router.dialects.responses import (
     refuse_unserved,
 )
 from router.dialects.responses_output import ResponseShape, output_items
-from router.dialects.responses_stream import stream_response
+from router.dialects.responses_stream import OnDone, stream_response
 from router.edge.errors import APIError, validation_failure
 from router.edge.openai_types import ChatCompletionRequest
 from router.relay.routed import RoutedRequest
@@ -94,7 +94,7 @@ def _chat_request(body: ResponsesRequest, conversation: list[Message]) -> ChatCo
 
 
 async def _relay(
-    request: Request, state: RouterState, routed: RoutedRequest, shape: ResponseShape, save: Any
+    request: Request, state: RouterState, routed: RoutedRequest, shape: ResponseShape, save: OnDone
 ) -> Response:
     (progress,) = routed.start_relay()
     (events,) = open_streams(request, state, routed)
