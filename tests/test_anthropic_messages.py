@@ -3,10 +3,10 @@
 stop reasons, the event stream, count_tokens, a forced tool call and its result sent back, and
 errors in Anthropic's shape (raw HTTP, so the shape itself is checked).
 
-The tiny model has random weights and no tool-call format of its own: tool tests render with
-tests.test_tool_calls.TOOLS_TEMPLATE, sent as the `chat_template` vendor field (the shared pool
-trusts request templates). Every request bounds its tokens; prompts are ones the model does not
-end with EOS.
+The tiny model has random weights and never calls a tool unless forced: tool tests force calls,
+rendered with tests.test_tool_calls.TOOLS_TEMPLATE sent as the `chat_template` vendor field (the
+shared pool trusts request templates), and once with the built-in template's own format. Every
+request bounds its tokens; prompts are ones the model does not end with EOS.
 """
 
 from __future__ import annotations
