@@ -56,7 +56,8 @@ from worker.mlx_cpu.idle_memory import release_idle_memory
 from worker.mlx_cpu.last_logits import last_logits
 from worker.prompt_cache.checkpoints import split_at
 from worker.prompt_cache.keys import CacheNamespace
-from worker.prompt_cache.policy import AdoptResult, PromptCache
+from worker.prompt_cache.modes import AdoptResult
+from worker.prompt_cache.policy import PromptCache
 
 log = logging.getLogger("mlxcel.worker.engine")
 

@@ -1,7 +1,9 @@
 """The scheduler's prompt-cache facade: adopt on admission, donate on a healthy finish.
 
-Decisions live here (which match to use, flooring, the resume rule) and this is the only place
-that records rejects, apart from the store's hook for its three insert declines. A refusal is a
+What every storage mode shares lives here (the donate checks, checkpoints, the one reject
+site); how a mode adopts and detaches KV is its class in prompt_cache.modes, chosen once. This
+is the only place that records rejects, apart from the store's hook for its three insert
+declines. A refusal is a
 value (None), never an exception; mlx failures while laying out KV become `layout_constraints`.
 """
 
@@ -15,35 +17,22 @@ from typing import Any
 
 from shared.config import PromptCacheConfig
 from shared.reject import RejectReason
-from worker.prompt_cache.block_pool import CacheLease
 from worker.prompt_cache.checkpoints import checkpoint_positions
 from worker.prompt_cache.counters import CacheCounters
 from worker.prompt_cache.entries import (
-    PAGED,
     SNAPSHOT,
     DenseEntry,
-    PagedEntry,
     SnapshotEntry,
     StoredKV,
 )
 from worker.prompt_cache.gauges import gauges_of
 from worker.prompt_cache.keys import CacheNamespace
-from worker.prompt_cache.shelf import Match
+from worker.prompt_cache.modes import MODES, AdoptResult, CacheParts, DenseMode, StorageMode
 from worker.prompt_cache.store import PromptStore
 from worker.prompt_cache.trace import make_tracer
 
 _log = logging.getLogger("mlxcel.prompt_cache")
 _KIND_BY_MODE = {"dense": "trimmable", "paged": "trimmable", SNAPSHOT: "snapshot", "none": "none"}
-
-
-@dataclass
-class AdoptResult:
-    """Fresh per-layer caches holding KV for exactly `prompt[:cached_tokens]`."""
-
-    caches: list[Any]
-    cached_tokens: int
-    snapshot: bool = False
-    lease: CacheLease | None = None  # paged: the blocks held until the sequence leaves
 
 
 @dataclass(frozen=True)
@@ -77,8 +66,6 @@ class PromptCache:
         self.cacheability = cacheability or _KIND_BY_MODE.get(storage_mode, "none")
         self._clock = clock
         self._min_adopt = max(config.min_prefix_tokens, 1)
-        # Snapshot mode keeps checkpoints while prompts prefill: every `checkpoint_tokens`.
-        self.checkpoint_every = config.checkpoint_tokens if storage_mode == SNAPSHOT else 0
         self.counters = CacheCounters()
         self._tracer = make_tracer(config.trace, worker_id)  # decided once, here
         self.store = PromptStore(
@@ -88,6 +75,12 @@ class PromptCache:
             clock=clock,
             record_reject=self.record_reject,
         )
+        parts = CacheParts(
+            config, self.store, self.counters, self.record_reject, self._tracer, self._min_adopt
+        )
+        self.mode: StorageMode = MODES.get(storage_mode, DenseMode)(parts)
+        # Snapshot mode keeps checkpoints while prompts prefill: every `checkpoint_tokens`.
+        self.checkpoint_every = self.mode.checkpoint_every
 
     # -- the one reject site -----------------------------------------------------------------
     def record_reject(self, reason: RejectReason, seq_id: str | None, context_len: int) -> None:
@@ -102,101 +95,7 @@ class PromptCache:
         Always leaves at least one prompt token to compute the first logits from."""
         if not self.store.enabled:
             return None
-        if self.storage_mode == SNAPSHOT:
-            return self._adopt_snapshot(ns, session_key, prompt_tokens, seq_id)
-        c = self.counters
-        c.lookups += 1
-        match = self.store.lookup(ns, session_key, prompt_tokens)
-        usable = min(match.matched, len(prompt_tokens) - 1) if match else 0
-        result = self._adopt_match(match, usable, seq_id) if match and usable > 0 else None
-        if result is None:
-            c.misses += 1
-            return None
-        c.hits += 1
-        c.prefix_tokens_reused += result.cached_tokens
-        self._tracer.adopt(seq_id, result.cached_tokens, len(prompt_tokens), False)
-        return result
-
-    def _adopt_match(self, match: Match, usable: int, seq_id: str) -> AdoptResult | None:
-        entry = match.entry
-        partial_whole_only = entry.whole_only and match.matched < match.entry_len
-        if entry.mode != self.storage_mode or partial_whole_only:
-            self.record_reject(RejectReason.MODE_MISMATCH, None, match.matched)
-            return None
-        if self.storage_mode == PAGED:
-            return self._adopt_paged(match, usable, seq_id)
-        return self._adopt_dense(match, usable)
-
-    def _adopt_dense(self, match: Match, usable: int) -> AdoptResult | None:
-        """The entry leaves the store, cut back to the match."""
-        entry = self.store.take(match.entry_id)
-        if entry is None:
-            return None  # lost a race for it: a miss, not a reject
-        if entry.is_empty():
-            entry.release()
-            self.record_reject(RejectReason.EMPTY_SET, None, match.matched)
-            return None
-        try:
-            caches = entry.materialise(usable)
-        except Exception:
-            entry.release()
-            self.record_reject(RejectReason.LAYOUT_CONSTRAINTS, None, usable)
-            return None
-        return AdoptResult(caches, usable, False)
-
-    def _adopt_paged(self, match: Match, usable: int, seq_id: str) -> AdoptResult | None:
-        """Clone whole blocks into fresh caches and pin them; the entry stays."""
-        bs = self.config.paged_block_size
-        adoptable = (min(usable, match.entry_len) // bs) * bs
-        if adoptable < self._min_adopt:
-            self.record_reject(RejectReason.BLOCK_BOUNDARY_FLOOR, None, match.matched)
-            return None
-        entry = match.entry
-        if entry.is_empty():
-            self.record_reject(RejectReason.EMPTY_SET, None, match.matched)
-            return None
-        try:
-            caches = entry.materialise(adoptable)
-            if any(c.offset != adoptable for c in caches):
-                raise ValueError("cloned caches do not cover the adoptable length")
-        except Exception:
-            self.record_reject(RejectReason.LAYOUT_CONSTRAINTS, None, adoptable)
-            return None
-        assert isinstance(entry, PagedEntry) and self.store.pool is not None
-        lease = self.store.pool.pin(entry.block_ids[: adoptable // bs])
-        self.store.touch(match)
-        return AdoptResult(caches, adoptable, False, lease)
-
-    def _adopt_snapshot(
-        self, ns: CacheNamespace, session_key: str, prompt_tokens: list[int], seq_id: str
-    ) -> AdoptResult | None:
-        """Restore a copy of the deepest snapshot or checkpoint that is a whole, proper prefix
-        of the prompt. A prompt that shares at least the minimum prefix with some entry but
-        has none whole inside that share is `block_boundary_floor`: its match floored to the
-        points a snapshot can resume at (as a paged match floors to whole blocks) is empty."""
-        c = self.counters
-        c.snapshot_lookups += 1
-        if self.checkpoint_every:
-            c.checkpoint_lookups += 1
-        match = self.store.lookup_snapshot(ns, session_key, prompt_tokens)
-        if match is None:
-            c.snapshot_misses += 1
-            shared = self.store.snapshots.shared_prefix(ns, tuple(prompt_tokens[:-1]))
-            if shared >= self._min_adopt:
-                self.record_reject(RejectReason.BLOCK_BOUNDARY_FLOOR, None, shared)
-            return None
-        caches = self._restore(match, seq_id)
-        if caches is None:
-            c.snapshot_misses += 1
-            return None
-        self.store.touch(match, snapshot=True)
-        c.snapshot_hits += 1
-        c.snapshot_tokens_reused += match.entry_len
-        if match.entry.checkpoint:
-            c.checkpoint_hits += 1
-            c.checkpoint_tokens_reused += match.entry_len
-        self._tracer.adopt(seq_id, match.entry_len, len(prompt_tokens), True)
-        return AdoptResult(caches, match.entry_len, True)
+        return self.mode.adopt(ns, session_key, prompt_tokens, seq_id)
 
     # -- checkpoints -------------------------------------------------------------------------
     def checkpoint_marks(self, ns: CacheNamespace, prompt: list[int], start: int) -> list[int]:
@@ -240,16 +139,6 @@ class PromptCache:
             self.counters.checkpoint_inserts += 1
             self._tracer.store(seq_id, entry.num_tokens, True)
 
-    def _restore(self, match: Match, seq_id: str) -> list[Any] | None:
-        if match.entry.is_empty():
-            self.record_reject(RejectReason.EMPTY_SET, None, match.matched)
-            return None
-        try:
-            return match.entry.materialise(match.entry_len)
-        except Exception:
-            self.record_reject(RejectReason.LAYOUT_CONSTRAINTS, seq_id, match.matched)
-            return None
-
     # -- donate ------------------------------------------------------------------------------
     def donate_finished_sequence_cache(
         self,
@@ -271,7 +160,7 @@ class PromptCache:
             self.record_reject(RejectReason.EMPTY_SET, seq_id, n)
             return
         try:
-            entry = self._detach(ns, tokens, layer_caches)
+            entry = self.mode.detach(ns, tokens, layer_caches)
         except Exception:
             _log.warning("prompt-cache: could not detach KV of %s", seq_id, exc_info=True)
             return
@@ -281,29 +170,11 @@ class PromptCache:
             return
         self._insert(ns, session_key, seq_id, n, entry)
 
-    def _detach(self, ns: CacheNamespace, tokens: list[int], layer_caches: list[Any]) -> StoredKV:
-        if self.storage_mode == SNAPSHOT:
-            return SnapshotEntry.capture(tokens, layer_caches)
-        pool = self.store.pool
-        if pool is None:
-            return DenseEntry.detach(tokens, layer_caches)
-        ids = pool.store(ns.seed(), tokens, layer_caches)
-        return PagedEntry(
-            tokens=tuple(tokens[: len(ids) * pool.block_size]),
-            block_ids=ids,
-            block_size=pool.block_size,
-            block_nbytes=pool.block_nbytes,
-            clone=pool.clone,
-            free=pool.free,
-        )
-
     def _insert(
         self, ns: CacheNamespace, session_key: str, seq_id: str, n: int, entry: StoredKV
     ) -> None:
-        snapshot = self.storage_mode == SNAPSHOT
-        insert = self.store.insert_snapshot if snapshot else self.store.insert
-        if insert(ns, session_key, entry, seq_id=seq_id, context_len=n) is None:
-            self._tracer.store(seq_id, entry.num_tokens, snapshot)
+        if self.mode.insert(ns, session_key, entry, seq_id, n) is None:
+            self._tracer.store(seq_id, entry.num_tokens, self.mode.snapshot)
 
     # -- lifecycle / stats -------------------------------------------------------------------
     def reset(self) -> ResetResult:
