@@ -129,7 +129,7 @@ def test_while_shut_the_router_refuses_at_its_door_and_a_local_end_opens_it(
         # Shut: refused before the body is read (a malformed one too, on every generation
         # route) with the ledger's words; other routes and an unauthenticated caller are
         # answered as ever.
-        for path in ("/v1/completions", "/v1/chat/completions"):
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
             shut = client.post(path, content=b"{not json")
             assert shut.status_code == 429, shut.text
             error = shut.json()["error"]

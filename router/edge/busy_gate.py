@@ -27,7 +27,9 @@ from router.metrics import ADMISSION_REFUSED
 from shared.errors import ErrorKind
 
 # The routes whose requests the ledger admits.
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/messages"})
+GENERATION_PATHS = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses"}
+)
 ALL_MODELS = ""
 
 

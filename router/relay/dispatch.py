@@ -73,18 +73,30 @@ class Dispatcher:
     def enqueue(self, req: GenerationRequest, worker_id: str = "") -> None:
         """Put the job on the worker's queue, or the shared one (blocking: call it off the
         event loop)."""
-        # rq's enqueue in one transaction (one round trip instead of rq's own two or three):
-        # the job hash, its TTLs and the queue push land together or not at all.
+        self.enqueue_job(
+            self.queue_for(worker_id, req.model),
+            JOB_FUNC,
+            {"request": req.to_wire()},
+            req.request_id,
+            describe(req, worker_id),
+        )
+
+    def enqueue_job(
+        self, queue: Queue, func: str, kwargs: dict[str, object], job_id: str, description: str
+    ) -> None:
+        """Any of the pool's jobs (a generation, an embedding), blocking. rq's enqueue in one
+        transaction (one round trip instead of rq's own two or three): the job hash, its TTLs
+        and the queue push land together or not at all."""
         with self.sync_redis.pipeline() as pipe:
-            self.queue_for(worker_id, req.model).enqueue_call(
-                func=JOB_FUNC,
-                kwargs={"request": req.to_wire()},
-                job_id=req.request_id,
+            queue.enqueue_call(
+                func=func,
+                kwargs=kwargs,
+                job_id=job_id,
                 timeout=self.job_timeout_s,
                 result_ttl=keys.JOB_RESULT_TTL_S,
                 failure_ttl=keys.JOB_FAILURE_TTL_S,
                 ttl=keys.JOB_QUEUED_TTL_S,
-                description=describe(req, worker_id),
+                description=description,
                 pipeline=pipe,
             )
             pipe.execute()
@@ -151,14 +163,14 @@ class Dispatcher:
         finally:
             # Shielded: this also runs when the client's task is being cancelled.
             with anyio.CancelScope(shield=True):
-                await self._cleanup(attempt.job_id, cancel=not attempt.finished)
+                await self.cleanup(attempt.job_id, cancel=not attempt.finished)
                 await self.ledger.release(gen.request_id)
 
     async def _requeue(self, lost: Attempt) -> Attempt:
         """The next attempt, under a new job id (the lost worker's job keeps its own), on the
         shared queue (any live worker takes it; the lost one may still look live); the lost
         job gets its cancel flag, so a worker that was only slow drops it instead of racing."""
-        await self._cleanup(lost.job_id, cancel=True)
+        await self.cleanup(lost.job_id, cancel=True)
         again = dataclasses.replace(lost.gen, request_id=f"{lost.gen.request_id}-{lost.number}")
         await anyio.to_thread.run_sync(self.enqueue, again)
         return Attempt(again, number=lost.number + 1)
@@ -174,7 +186,7 @@ class Dispatcher:
             disconnected,
             in_flow,
             self.request_timeout_s,
-            job_state=lambda: self._checked_job_state(attempt),
+            job_state=lambda: self.checked_job_state(attempt.job_id, attempt.worker_id),
             unread=lambda: self._unread(attempt),
         )
         try:
@@ -183,12 +195,12 @@ class Dispatcher:
         finally:
             self.hub.unsubscribe(stream)
 
-    async def _checked_job_state(self, attempt: Attempt) -> JobState | None:
+    async def checked_job_state(self, job_id: str, worker_id: str = "") -> JobState | None:
         """The job's state, off the event loop; None while Redis restarts (checked again)."""
         try:
-            return await anyio.to_thread.run_sync(self._job_state, attempt)
+            return await anyio.to_thread.run_sync(self.job_state, job_id, worker_id)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
-            log.info("job check for %s failed (%s); retrying", attempt.job_id, exc)
+            log.info("job check for %s failed (%s); retrying", job_id, exc)
             return None
 
     async def _unread(self, attempt: Attempt) -> bool:
@@ -200,14 +212,12 @@ class Dispatcher:
         except redis.RedisError:
             return False
 
-    def _job_state(self, attempt: Attempt) -> JobState:
+    def job_state(self, job_id: str, worker_id: str = "") -> JobState:
         """The job as rq records it and, while it runs, whether the pool found its worker lost
         (the reaper's verdict: never judged here from a heartbeat), on the sync client, in a
         worker thread."""
         try:
-            job = Job.fetch(
-                attempt.job_id, connection=self.sync_redis, serializer=MsgpackSerializer
-            )
+            job = Job.fetch(job_id, connection=self.sync_redis, serializer=MsgpackSerializer)
             status = job.get_status(refresh=False)
         except NoSuchJobError:
             return JobState(
@@ -228,7 +238,7 @@ class Dispatcher:
         if status != JobStatus.STARTED:
             return JobState()
         # The worker that runs it: named by its start event, else by rq's record of the job.
-        wid = attempt.worker_id or keys.parse_rq_worker_name(job.worker_name or "")
+        wid = worker_id or keys.parse_rq_worker_name(job.worker_name or "")
         if wid is None:
             return JobState()
         since = lost_verdict(self.sync_redis, wid)
@@ -236,7 +246,9 @@ class Dispatcher:
             return JobState()
         return JobState(lost=f"worker {wid} stopped while running this request ({since})")
 
-    async def _cleanup(self, req_id: str, cancel: bool) -> None:
+    async def cleanup(self, req_id: str, cancel: bool) -> None:
+        """A request's end: its stream deleted once its worker wrote its last event, else the
+        job's cancel flag set and the stream left to lapse (the worker may write once more)."""
         try:
             async with self.aredis.pipeline(transaction=False) as pipe:
                 stream = keys.request_stream(req_id)

@@ -15,9 +15,6 @@ import time
 from collections.abc import Awaitable, Callable
 
 import anyio
-import redis
-from rq.exceptions import NoSuchJobError
-from rq.job import Job, JobStatus
 
 from router.admission.admit import quoted
 from router.admission.embedding_admit import admit_embedding
@@ -30,19 +27,12 @@ from shared import keys
 from shared.canary_check import CanaryMismatch
 from shared.embedding_wire import EMBED_JOB_FUNC, EmbeddingReply, EmbeddingRequest
 from shared.errors import ErrorKind, kind_of
-from shared.liveness import WORKER_LOST_MARK, lost_verdict
-from shared.wire import STREAM_FIELD, MsgpackSerializer, WireError
+from shared.wire import STREAM_FIELD, WireError
 
 log = logging.getLogger(__name__)
 
 # How long a request waits on its stream before it checks its client and its job.
 IDLE_CHECK_S = 1.0
-RESULT_TTL_S = 600
-FAILURE_TTL_S = 3600
-QUEUED_TTL_S = 600
-# An unanswered request's stream lingers this long with its cancel flag up (the worker may still
-# write its reply once; the flag makes that write a no-op).
-CANCELLED_STREAM_TTL_S = 60
 
 Disconnected = Callable[[], Awaitable[bool]]
 
@@ -76,22 +66,13 @@ def submit_embeddings(body: EmbeddingBody, state: RouterState) -> EmbeddingReque
 
 
 def _enqueue(state: RouterState, req: EmbeddingRequest) -> None:
-    queue = state.dispatcher.queue_for("", req.model)
-    # One transaction: the job hash, its TTLs and the queue push land together or not at all.
-    with state.dispatcher.sync_redis.pipeline() as pipe:
-        queue.enqueue_call(
-            func=EMBED_JOB_FUNC,
-            kwargs={"embedding": req.to_wire()},
-            job_id=req.request_id,
-            timeout=state.settings.worker.job_timeout_s,
-            result_ttl=RESULT_TTL_S,
-            failure_ttl=FAILURE_TTL_S,
-            ttl=QUEUED_TTL_S,
-            description=f"{req.model}: embeddings of {len(req.inputs)} input(s), "
-            f"{req.total_tokens} tokens",
-            pipeline=pipe,
-        )
-        pipe.execute()
+    state.dispatcher.enqueue_job(
+        state.dispatcher.queue_for("", req.model),
+        EMBED_JOB_FUNC,
+        {"embedding": req.to_wire()},
+        req.request_id,
+        f"{req.model}: embeddings of {len(req.inputs)} input(s), {req.total_tokens} tokens",
+    )
 
 
 async def embedding_reply(
@@ -120,57 +101,28 @@ async def embedding_reply(
     finally:
         hub.unsubscribe(stream)
         with anyio.CancelScope(shield=True):
-            await _cleanup(state, req.request_id, answered)
+            await state.dispatcher.cleanup(req.request_id, cancel=not answered)
 
 
 async def _check(
     state: RouterState, req: EmbeddingRequest, disconnected: Disconnected, deadline: float
 ) -> None:
-    """Between waits: the client still there, the job not failed, its worker not lost, the
-    timeout not passed; else the matching APIError."""
+    """Between waits: the client still there, the job not failed or finished without its reply,
+    its worker not lost, the timeout not passed; else the matching APIError."""
     if await disconnected():
         raise APIError.of(ErrorKind.CLIENT_CLOSED, "The client closed the request.")
     if time.monotonic() >= deadline:
         timeout = state.settings.router.request_timeout_s
         raise APIError.of(ErrorKind.TIMEOUT, f"no response from a worker in {timeout:g}s")
-    try:
-        failure = await anyio.to_thread.run_sync(_job_failure, state, req.request_id)
-    except (redis.ConnectionError, redis.TimeoutError) as exc:  # Redis restarting: wait on
-        log.info("job check for %s failed (%s); retrying", req.request_id, exc)
+    job = await state.dispatcher.checked_job_state(req.request_id)
+    if job is None:  # Redis restarting: wait on
         return
-    if failure is not None:
-        raise failure
-
-
-def _job_failure(state: RouterState, job_id: str) -> APIError | None:
-    """The job's failure as rq records it, or its worker found lost (the reaper's verdict)."""
-    r = state.dispatcher.sync_redis
-    try:
-        job = Job.fetch(job_id, connection=r, serializer=MsgpackSerializer)
-        status = job.get_status(refresh=False)
-    except NoSuchJobError:
-        return APIError.of(
-            ErrorKind.REDIS_UNAVAILABLE,
-            "the job no longer exists (Redis lost it, or it expired unstarted)",
-        )
-    except redis.RedisError:
-        raise
-    except Exception as exc:  # a job hash rq cannot load (written by hand, not by us)
-        return APIError.of(ErrorKind.JOB_FAILED, f"the job's record is unreadable: {exc}")
-    if status in (JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED):
-        result = job.latest_result()
-        text = (result.exc_string if result is not None else None) or job.exc_info or ""
-        kind = ErrorKind.WORKER_LOST if WORKER_LOST_MARK in text else ErrorKind.JOB_FAILED
-        return APIError.of(kind, f"the worker's job {status.value}: {text.strip()[-500:]}")
-    if status != JobStatus.STARTED:
-        return None
-    wid = keys.parse_rq_worker_name(job.worker_name or "")
-    since = lost_verdict(r, wid) if wid else None
-    if since is None:
-        return None
-    return APIError.of(
-        ErrorKind.WORKER_LOST, f"worker {wid} stopped while running this request ({since})"
-    )
+    if job.failure is not None:
+        raise APIError.of(kind_of(job.failure_type) or ErrorKind.JOB_FAILED, job.failure)
+    if job.lost is not None:
+        raise APIError.of(ErrorKind.WORKER_LOST, job.lost)
+    if job.finished and not await state.aredis.exists(keys.request_stream(req.request_id)):
+        raise APIError.of(ErrorKind.JOB_FAILED, "the worker finished the job without its reply")
 
 
 def _decode(fields: dict[bytes, bytes]) -> EmbeddingReply:
@@ -185,17 +137,3 @@ def _decode(fields: dict[bytes, bytes]) -> EmbeddingReply:
             error=f"an unreadable embedding reply: {exc}",
             error_type=ErrorKind.JOB_FAILED.value,
         )
-
-
-async def _cleanup(state: RouterState, req_id: str, answered: bool) -> None:
-    try:
-        async with state.aredis.pipeline(transaction=False) as pipe:
-            stream = keys.request_stream(req_id)
-            if answered:  # the worker wrote its one reply: nothing will recreate the key
-                pipe.delete(stream)
-            else:
-                pipe.set(keys.request_cancel(req_id), "1", ex=keys.REQUEST_TTL_S)
-                pipe.expire(stream, CANCELLED_STREAM_TTL_S)
-            await pipe.execute()
-    except redis.RedisError:
-        log.warning("could not clean up request %s", req_id, exc_info=True)
