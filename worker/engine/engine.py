@@ -43,13 +43,7 @@ from worker.engine.sampling import (
     make_request_sampler,
 )
 from worker.engine.scoring import Scorer
-from worker.engine.shared_prompt import (
-    Holds,
-    can_share,
-    can_start_from,
-    group_mate,
-    prompt_kv_copies,
-)
+from worker.engine.shared_prompt import PromptSharing, can_share, prompt_kv_copies
 from worker.engine.stopping import min_tokens_mask, stop_rule, stop_sequences
 from worker.engine.text_stream import TextStream
 from worker.mlx_cpu.idle_memory import release_idle_memory
@@ -116,12 +110,11 @@ class Engine:
         # lookup by request id scans it instead of keeping a second map in step).
         self._running: dict[int, Request] = {}
         # Group-mates waiting for the prefill of the prompt they share (not in the batch yet).
-        self._held = Holds()
         # Requests waiting for their grammar's compile, and those scoring their prompts: the
         # two stages before the batch, both advanced by step().
         self._compiles = GrammarWaits()
         self._scorer = Scorer(model, config.prefill_step_size)
-        self._share_prompts = can_share(model)
+        self._sharing = PromptSharing(can_share(model))
         self.gen = self._new_generator()
 
     def _new_generator(self) -> BatchGenerator:
@@ -136,7 +129,9 @@ class Engine:
 
     @property
     def active(self) -> int:
-        return len(self._running) + len(self._held) + len(self._compiles) + len(self._scorer)
+        return (
+            len(self._running) + len(self._sharing.held) + len(self._compiles) + len(self._scorer)
+        )
 
     @property
     def free_slots(self) -> int:
@@ -146,7 +141,7 @@ class Engine:
     def running(self) -> list[Request]:
         """Every request the engine holds: in the batch, scoring its prompt, or waiting for a
         group-mate or for its grammar."""
-        return [*self._running.values(), *self._scorer, *self._held, *self._compiles]
+        return [*self._running.values(), *self._scorer, *self._sharing.held, *self._compiles]
 
     def find(self, request_id: str) -> Request | None:
         return next((r for r in self.running if r.id == request_id), None)
@@ -194,7 +189,7 @@ class Engine:
             else:
                 self._constrained_launch(req, compiled, out)
         except Exception as exc:  # this request's own failure: the batch runs on without it
-            self._start_failed(req, exc, out)
+            self.start_failed(req, exc, out)
         return self._drained(out)
 
     def _constrained_launch(
@@ -205,7 +200,7 @@ class Engine:
             # Last: after logit_bias, so a token the grammar bans stays banned.
             req.grammar = self._grammars.constraint(compiled, req.spec)
             req.processors.append(req.grammar)
-        self._launch(req, out)
+        self.launch(req, out)
 
     def _start_compiled(self, out: StepResult) -> None:
         """The requests whose grammar compiled since the last step start now."""
@@ -213,9 +208,9 @@ class Engine:
             try:
                 self._constrained_launch(req, compiled, out)
             except Exception as exc:
-                self._start_failed(req, exc, out)
+                self.start_failed(req, exc, out)
 
-    def _start_failed(self, req: Request, exc: Exception, out: StepResult) -> None:
+    def start_failed(self, req: Request, exc: Exception, out: StepResult) -> None:
         """A request that could not start fails alone: as the caller's error when its spec or
         grammar is at fault, else as the server's."""
         if isinstance(exc, AdmissionError | GrammarError):
@@ -224,21 +219,9 @@ class Engine:
         log.exception("starting %s failed", req.id)
         self._abandon(req, RequestStatus.FAILED, _describe(exc), SERVER, out)
 
-    def _launch(self, req: Request, out: StepResult) -> None:
-        """Start a request. One of a group starts from a copy of a group-mate's KV of their
-        prompt, or waits while the mate computes it; the first of a group starts on its own."""
-        computing = [*self._running.values(), *self._scorer]
-        mate = group_mate(req, computing) if self._share_prompts else None
-        if mate is None or not can_start_from(req, mate):
-            self._start(req, out)
-        elif not mate.prompt_ready:
-            self._held.hold(req, mate)
-        else:
-            copies = self._prompt_kv(mate, 1)
-            if copies is None:
-                self._start(req, out)
-            else:
-                self._start_shared(req, mate, copies[0], out)
+    def launch(self, req: Request, out: StepResult) -> None:
+        """Start a request, or hold it for a group-mate computing their prompt."""
+        self._sharing.launch(req, [*self._running.values(), *self._scorer], self, out)
 
     def _begin(self, req: Request, out: StepResult) -> None:
         """Counted and announced: its `start` event, with the prompt tokens it did not compute."""
@@ -254,7 +237,8 @@ class Engine:
         )
         out.emit(req, start)
 
-    def _start(self, req: Request, out: StepResult) -> None:
+    def start(self, req: Request, out: StepResult) -> None:
+        """Start a request on its own prompt (a prompt-cache hit, if any, first)."""
         if req.spec.prompt_logprobs is not None or req.spec.max_tokens == 0:
             self._start_scored(req, out)
             return
@@ -308,7 +292,7 @@ class Engine:
                 if req.scoring.done:
                     self._scored(req, out)
             except Exception as exc:  # its own failure: the others score on
-                self._start_failed(req, exc, out)
+                self.start_failed(req, exc, out)
 
     def _scored(self, req: Request, out: StepResult) -> None:
         """The pass covers the prompt but its last token: announced with its logprobs, the
@@ -321,19 +305,13 @@ class Engine:
         caches, req.prompt_logprobs = score.cache, score.entries
         req.prompt_ready, req.status = True, RequestStatus.PREFILLING
         self._begin(req, out)
-        held = self._held.take(req)
-        if held:
-            with mx.stream(self.gen.stream):
-                copies = prompt_kv_copies(caches, len(prompt) - 1, len(held))
-            self._start_held(req, held, copies, out)
+        self._sharing.scored(req, caches, self.gen.stream, self, out)
         if spec.max_tokens == 0:
             self._finish(req, "length", caches, prompt[:-1], out)
         else:
             self._insert(req, prompt[-1:], spec.max_tokens, caches, prompt[:-1])
 
-    def _start_shared(
-        self, req: Request, mate: Request, caches: list[Any], out: StepResult
-    ) -> None:
+    def start_from(self, req: Request, mate: Request, caches: list[Any], out: StepResult) -> None:
         """Start from a group-mate's KV of the prompt but its last token (reported as cached,
         as a prompt-cache hit is), and its prompt logprobs when asked: that one token is all it
         computes, in BatchGenerator's next step, batched with the other sequences starting."""
@@ -344,7 +322,7 @@ class Engine:
         self._begin(req, out)
         self._insert(req, prompt[-1:], req.spec.max_tokens, caches, prompt[:-1])
 
-    def _prompt_kv(self, mate: Request, count: int) -> list[list[Any]] | None:
+    def prompt_kv(self, mate: Request, count: int) -> list[list[Any]] | None:
         """`count` copies of the KV of mate's prompt but its last token; None when there is none
         to copy (the requests that wanted it then compute the prompt themselves)."""
         shared = len(mate.spec.prompt_tokens) - 1
@@ -357,35 +335,6 @@ class Engine:
         except Exception:  # theirs to recover from: they prefill on their own
             log.warning("could not copy the prompt KV of %s", mate.id, exc_info=True)
             return None
-
-    def _prompt_computed(self, progress: list[Any], out: StepResult) -> None:
-        """Sequences whose KV now covers their prompt but its last token (BatchGenerator's
-        prompt progress: tokens done, tokens in all): the group-mates waiting on one start
-        from copies of its KV."""
-        for p in progress:
-            req = self._running.get(p.uid)
-            done, total = p.progress
-            if req is None or req.prompt_ready or done < total - 1:
-                continue
-            req.prompt_ready = True
-            held = self._held.take(req)
-            if not held:
-                continue
-            self._start_held(req, held, self._prompt_kv(req, len(held)), out)
-
-    def _start_held(
-        self, mate: Request, held: list[Request], copies: list[list[Any]] | None, out: StepResult
-    ) -> None:
-        """The requests that waited on mate's prompt start, each from its copy of mate's KV
-        when there is one and it may (else it computes the prompt itself)."""
-        for i, waiter in enumerate(held):
-            try:
-                if copies is None or not can_start_from(waiter, mate):
-                    self._start(waiter, out)
-                else:
-                    self._start_shared(waiter, mate, copies[i], out)
-            except Exception as exc:  # its own failure: the others start regardless
-                self._start_failed(waiter, exc, out)
 
     def _keep_checkpoints(self, progress: list[Any]) -> None:
         """Sequences whose prefill stopped at a segment end (only snapshot mode cuts prompts
@@ -407,15 +356,6 @@ class Engine:
                     )
         except Exception:
             log.warning("could not keep a prefill checkpoint", exc_info=True)
-
-    def _resume_held(self, gone: Request, out: StepResult) -> None:
-        """`gone` left before its prefill was done: the requests that waited on it start again
-        (the first computes the prompt, the others wait on it in turn). None is lost."""
-        for req in self._held.take(gone):
-            try:
-                self._launch(req, out)
-            except Exception as exc:
-                self._start_failed(req, exc, out)
 
     def _insert(
         self,
@@ -509,7 +449,7 @@ class Engine:
         self.counters.batch_prefill_tokens += stats.prompt_tokens
         self.counters.batch_decode_tokens += stats.generation_tokens
         self.counters.batch_decode_steps += stats.generation_steps
-        self._prompt_computed(progress, out)
+        self._sharing.computed(progress, self._running, self, out)
         self._keep_checkpoints(progress)
         cut: list[Request] = []  # ended by a stop string while BatchGenerator still holds them
         entries = self._step_logprobs(responses, out)
@@ -627,7 +567,7 @@ class Engine:
             ),
         )
         out.end(req)
-        self._resume_held(req, out)
+        self._sharing.resume(req, self, out)
 
     def _leave(self, req: Request) -> None:
         if req.uid is not None:
@@ -656,7 +596,7 @@ class Engine:
         """Fail the batch and the group-mates held for it (first: none restarts), and unless
         `batch_only`, the requests not in the batch yet (compiling, scoring) too."""
         before = [] if batch_only else [*self._compiles, *self._scorer]
-        for req in [*self._held, *before, *self._running.values()]:
+        for req in [*self._sharing.held, *before, *self._running.values()]:
             self._abandon(req, RequestStatus.FAILED, error, error_type, out)
 
     def _expire(self, out: StepResult) -> None:
@@ -678,7 +618,7 @@ class Engine:
         that waited on its prefill start without it."""
         if req.status.ended:
             return
-        self._held.drop(req)
+        self._sharing.held.drop(req)
         self._compiles.drop(req)
         self._scorer.drop(req)
         if req.uid is not None:
@@ -694,7 +634,7 @@ class Engine:
         else:
             out.emit(req, StreamEvent(kind="error", error=error, error_type=error_type))
         out.end(req)
-        self._resume_held(req, out)
+        self._sharing.resume(req, self, out)
 
     # -- stats, control --------------------------------------------------------------------
 

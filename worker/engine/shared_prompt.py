@@ -11,12 +11,33 @@ mode, disabled or below its minimum prefix.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import Any
+import logging
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Protocol
 
+import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from worker.engine.request import Request, RequestStatus
+from worker.engine.results import StepResult
+
+log = logging.getLogger(__name__)
+
+
+class Starts(Protocol):
+    """What the engine offers the sharing: the ways a request starts."""
+
+    def launch(self, req: Request, out: StepResult) -> None: ...
+
+    def start(self, req: Request, out: StepResult) -> None: ...
+
+    def start_from(
+        self, req: Request, mate: Request, caches: list[Any], out: StepResult
+    ) -> None: ...
+
+    def start_failed(self, req: Request, exc: Exception, out: StepResult) -> None: ...
+
+    def prompt_kv(self, mate: Request, count: int) -> list[list[Any]] | None: ...
 
 
 class Holds:
@@ -103,3 +124,84 @@ def prompt_kv_copies(layers: list[Any], n_tokens: int, count: int) -> list[list[
             fresh.append(layer)
         copies.append(fresh)
     return copies
+
+
+class PromptSharing:
+    """The engine's group sharing: which mate a request starts from, who waits for whom, and
+    who starts once a mate's prompt is computed (or the mate left)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled  # the model's caches can be copied (can_share)
+        self.held = Holds()
+
+    def launch(
+        self, req: Request, computing: list[Request], engine: Starts, out: StepResult
+    ) -> None:
+        """One of a group starts from a copy of a group-mate's KV of their prompt, or waits
+        while the mate computes it; the first of a group starts on its own."""
+        mate = group_mate(req, computing) if self.enabled else None
+        if mate is None or not can_start_from(req, mate):
+            engine.start(req, out)
+        elif not mate.prompt_ready:
+            self.held.hold(req, mate)
+        else:
+            copies = engine.prompt_kv(mate, 1)
+            if copies is None:
+                engine.start(req, out)
+            else:
+                engine.start_from(req, mate, copies[0], out)
+
+    def computed(
+        self, progress: list[Any], running: Mapping[int, Request], engine: Starts, out: StepResult
+    ) -> None:
+        """Sequences whose KV now covers their prompt but its last token (BatchGenerator's
+        prompt progress: tokens done, tokens in all): the group-mates waiting on one start
+        from copies of its KV."""
+        for p in progress:
+            req = running.get(p.uid)
+            done, total = p.progress
+            if req is None or req.prompt_ready or done < total - 1:
+                continue
+            req.prompt_ready = True
+            held = self.held.take(req)
+            if held:
+                self._start_held(req, held, engine.prompt_kv(req, len(held)), engine, out)
+
+    def scored(
+        self, req: Request, caches: list[Any], stream: Any, engine: Starts, out: StepResult
+    ) -> None:
+        """A scoring pass covers req's prompt but its last token: its waiting mates start
+        from copies of the pass's cache."""
+        held = self.held.take(req)
+        if held:
+            with mx.stream(stream):
+                copies = prompt_kv_copies(caches, len(req.spec.prompt_tokens) - 1, len(held))
+            self._start_held(req, held, copies, engine, out)
+
+    def resume(self, gone: Request, engine: Starts, out: StepResult) -> None:
+        """`gone` left before its prefill was done: the requests that waited on it start again
+        (the first computes the prompt, the others wait on it in turn). None is lost."""
+        for req in self.held.take(gone):
+            try:
+                engine.launch(req, out)
+            except Exception as exc:
+                engine.start_failed(req, exc, out)
+
+    def _start_held(
+        self,
+        mate: Request,
+        held: list[Request],
+        copies: list[list[Any]] | None,
+        engine: Starts,
+        out: StepResult,
+    ) -> None:
+        """The requests that waited on mate's prompt start, each from its copy of mate's KV
+        when there is one and it may (else it computes the prompt itself)."""
+        for i, waiter in enumerate(held):
+            try:
+                if copies is None or not can_start_from(waiter, mate):
+                    engine.start(waiter, out)
+                else:
+                    engine.start_from(waiter, mate, copies[i], out)
+            except Exception as exc:  # its own failure: the others start regardless
+                engine.start_failed(waiter, exc, out)
