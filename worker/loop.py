@@ -26,6 +26,7 @@ from typing import Any
 import redis
 
 from shared import keys
+from shared.errors import ErrorKind
 from shared.wire import REDIS_UNAVAILABLE, ControlCommand, ControlReply, StreamEvent
 from worker.broker.intake import JobEnd, JobOutcome, RqIntake, TakenJob
 from worker.broker.outbox import Outbox
@@ -176,7 +177,7 @@ class WorkerLoop:
 
     @staticmethod
     def _reject(taken: TakenJob, error: str, writes: StepWrites) -> None:
-        event = StreamEvent(kind="error", error=error, error_type="invalid_request_error")
+        event = StreamEvent(kind="error", error=error, error_type=ErrorKind.INVALID_REQUEST)
         writes.streams.append((taken, [event.to_wire()]))
         ended = JobEnd(
             taken, JobOutcome.FAILED, error=error, failure_ttl_s=keys.MALFORMED_JOB_TTL_S

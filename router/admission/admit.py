@@ -26,6 +26,7 @@ from router.admission.tokenization import (
 )
 from router.edge.errors import APIError
 from router.edge.openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest
+from shared.errors import ErrorKind
 from shared.wire import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
@@ -61,13 +62,13 @@ class Outcome(enum.StrEnum):
     NO_WORKER = "no_worker"
 
 
-# Outcome -> (status, error type, error code): the one place a refusal picks its status.
-OUTCOME_ERRORS: dict[Outcome, tuple[int, str, str | None]] = {
-    Outcome.INVALID: (400, "invalid_request_error", None),
-    Outcome.UNKNOWN_MODEL: (404, "invalid_request_error", "model_not_found"),
-    Outcome.CONTEXT_EXCEEDED: (400, "invalid_request_error", "context_length_exceeded"),
-    Outcome.POOL_BUSY: (429, "rate_limit_error", "rate_limit_exceeded"),
-    Outcome.NO_WORKER: (503, "server_error", "no_live_worker"),
+# Outcome -> the pool's error kind (its status, type and code: shared.errors.SHAPES).
+OUTCOME_ERRORS: dict[Outcome, ErrorKind] = {
+    Outcome.INVALID: ErrorKind.INVALID_REQUEST,
+    Outcome.UNKNOWN_MODEL: ErrorKind.UNKNOWN_MODEL,
+    Outcome.CONTEXT_EXCEEDED: ErrorKind.CONTEXT_EXCEEDED,
+    Outcome.POOL_BUSY: ErrorKind.POOL_BUSY,
+    Outcome.NO_WORKER: ErrorKind.NO_LIVE_WORKER,
 }
 
 
@@ -84,9 +85,8 @@ class Admission:
     retry_after_s: int | None = None
 
     def error(self) -> APIError:
-        status, kind, code = OUTCOME_ERRORS[self.outcome]
         headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s else None
-        return APIError(status, self.message, kind, self.param, code, headers)
+        return APIError.of(OUTCOME_ERRORS[self.outcome], self.message, self.param, headers)
 
 
 @dataclass(frozen=True)

@@ -148,7 +148,7 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     # FastAPI answers 422 with its own shape; OpenAI clients expect a 400 error object.
     assert isinstance(exc, RequestValidationError)
     message, param = validation_failure(list(exc.errors()))
-    return _respond(request, APIError(400, message, "invalid_request_error", param))
+    return _respond(request, APIError.of(ErrorKind.INVALID_REQUEST, message, param))
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:

@@ -29,6 +29,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import greedy_sampler
 
 from shared.config import WorkerConfig
+from shared.errors import ErrorKind
 from shared.wire import GenerationRequest, StreamEvent
 from worker.engine.admission import AdmissionError, check_admissible
 from worker.engine.grammar import GrammarError, GrammarTokenizer
@@ -68,9 +69,9 @@ PRIMING_TOKENS = 8
 # How a request whose grammar failed while decoding says so (the worker cannot tell which field
 # the grammar came from).
 GRAMMAR_FAILED = "the grammar of response_format or tool_choice"
-INVALID = "invalid_request_error"
-SERVER = "server_error"
-TIMEOUT = "timeout"
+INVALID = ErrorKind.INVALID_REQUEST
+SERVER = ErrorKind.SERVER_ERROR
+TIMEOUT = ErrorKind.TIMEOUT
 
 
 class Engine:
