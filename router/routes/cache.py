@@ -10,12 +10,13 @@ from fastapi import APIRouter, Response
 from router.placement.routing_stats import routing_stats
 from router.pool_view.cache_control import reset_pool_cache
 from router.pool_view.cache_stats import pool_cache_stats, read_pool
+from router.routes.probe import get_and_head
 from router.state import StateDep
 
 router = APIRouter()
 
 
-@router.api_route("/v1/cache/stats", methods=["GET", "HEAD"])
+@get_and_head(router, "/v1/cache/stats")
 async def cache_stats(state: StateDep) -> Response:
     # orjson directly: FastAPI's jsonable_encoder walks every value of the per-worker breakdown.
     stats = await pool_cache_stats(state.pool_script)

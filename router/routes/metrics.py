@@ -17,6 +17,7 @@ from router.placement.routing_metrics import init_worker_series
 from router.pool_view.cache_stats import read_pool
 from router.pool_view.pool_health import queue_depths
 from router.pool_view.pool_metrics import PoolCollector, pool_families
+from router.routes.probe import get_and_head
 from router.state import StateDep
 from shared.cache_stats import WorkerCacheSnapshot
 
@@ -31,7 +32,7 @@ def _scrape(path: Path, workers: list[WorkerCacheSnapshot], pool: PoolCollector)
     return scrape(path, pool)
 
 
-@router.api_route("/metrics", methods=["GET", "HEAD"])
+@get_and_head(router, "/metrics")
 async def metrics(state: StateDep) -> Response:
     workers = await read_pool(state.pool_script)
     families = pool_families(workers)

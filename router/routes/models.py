@@ -10,6 +10,7 @@ from fastapi import APIRouter
 
 from router.admission.admit import quoted
 from router.edge.errors import APIError
+from router.routes.probe import get_and_head
 from router.state import RouterState, StateDep
 from shared.errors import ErrorKind
 
@@ -28,12 +29,12 @@ def _served(state: RouterState) -> list[dict[str, Any]]:
     return out
 
 
-@router.api_route("/v1/models", methods=["GET", "HEAD"])
+@get_and_head(router, "/v1/models")
 async def list_models(state: StateDep) -> dict[str, Any]:
     return {"object": "list", "data": await anyio.to_thread.run_sync(_served, state)}
 
 
-@router.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
+@get_and_head(router, "/v1/models/{model_id:path}")
 async def get_model(model_id: str, state: StateDep) -> dict[str, Any]:
     for model in await anyio.to_thread.run_sync(_served, state):
         if model["id"] == model_id:

@@ -10,6 +10,7 @@ from fastapi.responses import Response
 
 from router.dialects import responses_service
 from router.dialects.responses import ResponsesRequest
+from router.routes.probe import get_and_head
 from router.state import StateDep
 
 router = APIRouter()
@@ -20,7 +21,7 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
     return await responses_service.create(request, state, body)
 
 
-@router.get("/v1/responses/{response_id}")
+@get_and_head(router, "/v1/responses/{response_id}")
 async def get_response(response_id: str, state: StateDep) -> dict[str, Any]:
     return await responses_service.retrieve(state, response_id)
 
