@@ -85,8 +85,13 @@ class Publisher:
                 append_events(pipe, taken.id, packed)
             for end in writes.ended:
                 self.intake.end(pipe, end)
+            # A zero delta changes nothing: a step sends the counters that moved (about 3 of
+            # 31 for a decoding sequence); a heartbeat's publish sends every field, so each
+            # exists from the worker's first beat on.
+            every = writes.liveness is not None
             for name, delta in writes.counters.items():
-                pipe.hincrby(self._k_counters, name, delta)
+                if delta or every:
+                    pipe.hincrby(self._k_counters, name, delta)
             if writes.last_reject is not None:
                 last = {f"last_reject_{k}": v for k, v in writes.last_reject.items()}
                 pipe.hset(
