@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 from shared.block_hash import BlockHasher, canary
 from shared.canary_check import CanaryMismatch, check_against_routers
 from shared.config import EXIT_CONFIG, Settings
-from shared.gc_freeze import freeze_startup_heap
 from shared.model_facts import ModelConfigError, configured_model_dir
 from shared.redis_auth import masked_url
 
@@ -51,22 +50,9 @@ def run(settings: Settings) -> int:
         return EXIT_CONFIG
     if loop is None:
         return EXIT_CONFIG
-    from worker.broker.presence import WorkerIdInUse
+    from worker.serve import serve
 
-    loop.install_signal_handlers()
-    freeze_startup_heap(log)
-    log.info(
-        "worker %s ready: %s; listening on %s",
-        loop.presence.worker_id,
-        loop.banner,
-        ", ".join(loop.intake.queue_keys),
-    )
-    try:
-        loop.run()
-    except WorkerIdInUse as exc:
-        log.error("%s", exc)
-        return EXIT_CONFIG
-    return 0
+    return serve(loop, log)
 
 
 def build_worker(settings: Settings) -> WorkerLoop | None:

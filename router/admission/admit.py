@@ -570,18 +570,6 @@ def admit_chat(body: ChatCompletionRequest, ctx: AdmissionContext) -> Admission:
         return refused.admission
 
 
-def chat_prompt(body: ChatCompletionRequest, ctx: AdmissionContext) -> list[int] | Admission:
-    """The prompt tokens admit_chat would send for `body`, checked as it checks the model, the
-    messages and the tools, with nothing built or enqueued (the Messages API's count_tokens);
-    a refusal is its Admission."""
-    try:
-        _check_common(body, ctx)
-        tokens, _ = _chat_tokens(body, ctx)
-        return tokens
-    except _Refused as refused:
-        return refused.admission
-
-
 def chat_prompt_tokens(
     body: ChatCompletionRequest,
     ctx: AdmissionContext,
@@ -590,10 +578,11 @@ def chat_prompt_tokens(
     continue_final_message: bool = False,
     add_special_tokens: bool = False,
 ) -> list[int]:
-    """POST /tokenize of messages: the ids a chat completion of `body` would prompt with (the
-    same checks, template, tools and bounds as `admit_chat`, so the counts agree), or its
-    refusal as an APIError. Blocking: call it off the event loop."""
+    """The ids a chat completion of `body` would prompt with (the same checks, template, tools
+    and bounds as `admit_chat`, so the counts agree; /tokenize of messages, the Messages API's
+    count_tokens), or its refusal as an APIError. Blocking: call it off the event loop."""
     try:
+        _check_common(body, ctx)
         render = {
             "add_generation_prompt": add_generation_prompt,
             "continue_final_message": continue_final_message,

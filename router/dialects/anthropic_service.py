@@ -13,7 +13,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from router.admission.admit import Admission, Outcome, admit_chat, chat_prompt
+from router.admission.admit import Admission, Outcome, admit_chat, chat_prompt_tokens
 from router.admission.tokenization import TokenizerLoadError
 from router.dialects.anthropic_render import (
     MessageEvents,
@@ -83,7 +83,7 @@ async def count_tokens(body: CountTokensRequest, state: RouterState) -> dict[str
         if ctx is None:
             message = unknown_model_message(body.model, state.catalog.served())
             return Admission(Outcome.UNKNOWN_MODEL, param="model", message=message)
-        return chat_prompt(chat, ctx)
+        return chat_prompt_tokens(chat, ctx)
 
     counted = await anyio.to_thread.run_sync(run)
     if isinstance(counted, Admission):

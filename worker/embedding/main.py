@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 from shared.canary_check import CanaryMismatch, check_against_routers
 from shared.config import EXIT_CONFIG, Settings
 from shared.embedding_wire import TASK_EMBEDDING
-from shared.gc_freeze import freeze_startup_heap
 from shared.model_facts import ModelConfigError
 from shared.redis_auth import masked_url
 from worker.embedding.task import EmbeddingConfigError, EmbeddingTask
@@ -29,7 +28,6 @@ log = logging.getLogger("mlxcel.worker.embedding")
 
 
 def run(settings: Settings, model_dir: Path, task: EmbeddingTask) -> int:
-    from worker.broker.presence import WorkerIdInUse
     from worker.model_dir import ModelDirError
 
     try:
@@ -39,20 +37,9 @@ def run(settings: Settings, model_dir: Path, task: EmbeddingTask) -> int:
         return EXIT_CONFIG
     if loop is None:
         return EXIT_CONFIG
-    loop.install_signal_handlers()
-    freeze_startup_heap(log)
-    log.info(
-        "worker %s ready: %s; listening on %s",
-        loop.presence.worker_id,
-        loop.banner,
-        ", ".join(loop.intake.queue_keys),
-    )
-    try:
-        loop.run()
-    except WorkerIdInUse as exc:
-        log.error("%s", exc)
-        return EXIT_CONFIG
-    return 0
+    from worker.serve import serve
+
+    return serve(loop, log)
 
 
 def build_embedding_worker(
