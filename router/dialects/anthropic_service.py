@@ -13,7 +13,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from router.admission.admit import Admission, Outcome, admit_chat, chat_prompt_tokens
+from router.admission.admit import Admission, Outcome, chat_prompt_tokens
 from router.admission.tokenization import TokenizerLoadError
 from router.dialects.anthropic_render import (
     MessageEvents,
@@ -35,8 +35,7 @@ from router.relay.streams import (
     served_by,
     sse_headers,
 )
-from router.relay.submit import admit_and_submit
-from router.relay.tool_output import tool_streams
+from router.relay.submit import submit_chat
 from router.state import RouterState
 from shared.canary_check import CanaryMismatch
 from shared.wire import StreamEvent
@@ -46,12 +45,7 @@ async def create_message(
     body: CreateMessageRequest, request: Request, state: RouterState
 ) -> Response:
     chat = chat_request(body)
-    routed = await admit_and_submit(admit_chat, chat, state)
-    routed.stream = bool(body.stream)
-    if chat.tools and chat.tool_choice != "none":
-        routed.tool_streams = await anyio.to_thread.run_sync(
-            tool_streams, state, chat, routed.model
-        )
+    routed = await submit_chat(chat, state)
     (progress,) = routed.start_relay()
     generated: list[int] = []  # the token ids of the attempt that answers
     (events,) = open_streams(request, state, routed)

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import anyio
 import redis
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from router.admission.admit import admit_chat
 from router.dialects.response_store import ResponseStore, StoredResponse
 from router.dialects.responses import (
     Message,
@@ -29,8 +27,7 @@ from router.edge.errors import APIError, validation_failure
 from router.edge.openai_types import ChatCompletionRequest
 from router.relay.routed import RoutedRequest
 from router.relay.streams import collect, first_events, open_streams, served_by, sse_headers
-from router.relay.submit import admit_and_submit
-from router.relay.tool_output import tool_streams
+from router.relay.submit import submit_chat
 from router.state import RouterState
 from shared.errors import ErrorKind
 
@@ -60,14 +57,9 @@ async def create(request: Request, state: RouterState, body: ResponsesRequest) -
     conversation = history + input_messages(body)
     chat = _chat_request(body, conversation)
     try:
-        routed = await admit_and_submit(admit_chat, chat, state)
+        routed = await submit_chat(chat, state)
     except APIError as err:
         raise in_responses_terms(err) from None
-    routed.stream = bool(body.stream)
-    if chat.tools and chat.tool_choice != "none":
-        routed.tool_streams = await anyio.to_thread.run_sync(
-            tool_streams, state, chat, routed.model
-        )
     shape = ResponseShape(body, routed.model)
 
     async def save(response: dict[str, Any], output: list[dict[str, Any]]) -> None:

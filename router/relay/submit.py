@@ -8,13 +8,15 @@ from typing import TypeVar
 
 import anyio
 
-from router.admission.admit import Admission, AdmissionContext, Outcome, quoted
+from router.admission.admit import Admission, AdmissionContext, Outcome, admit_chat, quoted
 from router.admission.tokenization import TokenizerLoadError
 from router.edge.busy_gate import busy_error
+from router.edge.openai_types import ChatCompletionRequest
 from router.placement.place_call import Placement
 from router.pool_view.model_catalog import unknown_model_message
 from router.relay.logprobs import token_table
 from router.relay.routed import RoutedRequest
+from router.relay.tool_output import tool_streams
 from router.state import RouterState
 from shared.canary_check import CanaryMismatch
 from shared.wire import GenerationRequest
@@ -62,6 +64,18 @@ async def admit_and_submit(
     routed = await anyio.to_thread.run_sync(run)
     if isinstance(routed, Admission):
         raise routed.error()
+    return routed
+
+
+async def submit_chat(body: ChatCompletionRequest, state: RouterState) -> RoutedRequest:
+    """A chat request admitted and enqueued, with its output's tool-call splitter when it has
+    tools (every API whose request becomes a chat one: chat, Responses, Messages)."""
+    routed = await admit_and_submit(admit_chat, body, state)
+    routed.stream = bool(body.stream)
+    if body.tools and body.tool_choice != "none":
+        routed.tool_streams = await anyio.to_thread.run_sync(
+            tool_streams, state, body, routed.model
+        )
     return routed
 
 

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from router.admission.admit import admit_chat
 from router.edge.openai_types import ChatCompletionRequest, ResponseFormat
 from router.relay.openai_render import respond
-from router.relay.submit import admit_and_submit
-from router.relay.tool_output import tool_streams
+from router.relay.submit import submit_chat
 from router.state import StateDep
 
 router = APIRouter()
@@ -20,12 +17,7 @@ router = APIRouter()
 async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, state: StateDep
 ) -> Response:
-    routed = await admit_and_submit(admit_chat, body, state)
+    routed = await submit_chat(body, state)
     routed.fmt = ResponseFormat(chat=True, model=routed.model)
-    routed.stream = bool(body.stream)
     routed.include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    if body.tools and body.tool_choice != "none":
-        routed.tool_streams = await anyio.to_thread.run_sync(
-            tool_streams, state, body, routed.model
-        )
     return await respond(request, state, routed)
