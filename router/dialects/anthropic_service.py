@@ -11,7 +11,7 @@ from typing import Any
 
 import anyio
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from router.admission.admit import Admission, Outcome, chat_prompt_tokens
 from router.admission.tokenization import TokenizerLoadError
@@ -33,7 +33,7 @@ from router.relay.streams import (
     first_events,
     open_streams,
     served_by,
-    sse_headers,
+    sse_response,
 )
 from router.relay.submit import submit_chat
 from router.state import RouterState
@@ -61,7 +61,7 @@ async def create_message(
         return JSONResponse(answer, headers=served_by(progress.worker_id))
     (first,) = await first_events([events])
     chunks = _events(first, events, progress, generated, shape, state)
-    return StreamingResponse(chunks, media_type="text/event-stream", headers=sse_headers(first))
+    return sse_response(chunks, first)
 
 
 async def count_tokens(body: CountTokensRequest, state: RouterState) -> dict[str, Any]:

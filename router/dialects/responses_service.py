@@ -7,7 +7,7 @@ from typing import Any
 
 import redis
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from router.dialects.response_store import ResponseStore, StoredResponse
@@ -26,7 +26,7 @@ from router.dialects.responses_stream import OnDone, stream_response
 from router.edge.errors import APIError, validation_failure
 from router.edge.openai_types import ChatCompletionRequest
 from router.relay.routed import RoutedRequest
-from router.relay.streams import collect, first_events, open_streams, served_by, sse_headers
+from router.relay.streams import collect, first_events, open_streams, served_by, sse_response
 from router.relay.submit import submit_chat
 from router.state import RouterState
 from shared.errors import ErrorKind
@@ -98,7 +98,7 @@ async def _relay(
         return JSONResponse(response, headers=served_by(progress.worker_id))
     (first,) = await first_events([events])
     body = stream_response(first, events, progress, shape, save)
-    return StreamingResponse(body, media_type="text/event-stream", headers=sse_headers(first))
+    return sse_response(body, first)
 
 
 async def retrieve(state: RouterState, response_id: str) -> dict[str, Any]:

@@ -8,6 +8,7 @@ the event loop never blocks and a request is never left hanging: no event within
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
@@ -58,6 +59,7 @@ class Dispatcher:
     request_timeout_s: float
     ledger: AdmissionLedger
     _queues: dict[str, Queue] = dataclasses.field(default_factory=dict)
+    _ending: set[asyncio.Future[None]] = dataclasses.field(default_factory=set)  # held to the end
 
     def queue_for(self, worker_id: str, model_id: str) -> Queue:
         """The worker's own rq queue, or ("" for the worker) the model's shared one, which every
@@ -161,10 +163,17 @@ class Dispatcher:
                     return
                 log.warning("request %s: %s; enqueued again", gen.request_id, lost.error)
         finally:
-            # Shielded: this also runs when the client's task is being cancelled.
-            with anyio.CancelScope(shield=True):
-                await self.cleanup(attempt.job_id, cancel=not attempt.finished)
-                await self.ledger.release(gen.request_id)
+            # A task of its own under asyncio.shield: a cancel of this one (anyio's scope, or
+            # asyncio's own Task.cancel, which an anyio shield does not stop) cannot cut the
+            # end short, so a request never keeps its reservation or leaves its job running.
+            end = asyncio.ensure_future(self._end(attempt, gen.request_id))
+            self._ending.add(end)
+            end.add_done_callback(self._ending.discard)
+            await asyncio.shield(end)
+
+    async def _end(self, attempt: Attempt, request_id: str) -> None:
+        await self.cleanup(attempt.job_id, cancel=not attempt.finished)
+        await self.ledger.release(request_id)
 
     async def _requeue(self, lost: Attempt) -> Attempt:
         """The next attempt, under a new job id (the lost worker's job keeps its own), on the

@@ -10,7 +10,7 @@ from typing import Any
 
 import anyio
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from router.edge.errors import APIError
 from router.edge.openai_types import ResponseFormat, Usage
@@ -24,7 +24,7 @@ from router.relay.streams import (
     open_streams,
     served_by,
     sse,
-    sse_headers,
+    sse_response,
 )
 from router.state import RouterState
 from shared.errors import ErrorKind
@@ -50,7 +50,7 @@ async def respond(request: Request, state: RouterState, routed: RoutedRequest) -
         chunks = _chunks(firsts[0], streams[0], routed, progress[0], renderer)
     else:
         chunks = _merged(list(zip(firsts, streams, progress, strict=True)), routed, renderer)
-    return StreamingResponse(chunks, media_type="text/event-stream", headers=sse_headers(firsts[0]))
+    return sse_response(chunks, firsts[0])
 
 
 def _body(

@@ -9,8 +9,10 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+import anyio
 import orjson
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from router.edge.errors import APIError
 from router.relay.progress import ChoiceProgress, error_for
@@ -44,6 +46,54 @@ def sse(payload: dict[str, Any] | str, event: str | None = None) -> bytes:
     data = payload.encode() if isinstance(payload, str) else orjson.dumps(payload)
     head = b"event: " + event.encode() + b"\n" if event else b""
     return head + b"data: " + data + b"\n\n"
+
+
+async def coalesced(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """A response's SSE chunks, each write carrying every chunk made by then: the events one
+    stream read brought (a worker step's, or several steps' when the relay fell behind) go
+    through the ASGI stack in one send, not one each. The chunks are made in a task of their
+    own, which runs through the events already read before this side wakes; closing this side
+    (the client went away) cancels it, and its error is this side's."""
+    ready: asyncio.Queue[bytes | None] = asyncio.Queue()
+    failure: list[BaseException] = []
+
+    async def make() -> None:
+        try:
+            async for chunk in chunks:
+                ready.put_nowait(chunk)
+        except Exception as exc:
+            failure.append(exc)
+        finally:
+            ready.put_nowait(None)
+
+    task = asyncio.create_task(make())
+    try:
+        done = False
+        while not done:
+            parts = [await ready.get()]
+            while not ready.empty():
+                parts.append(ready.get_nowait())
+            done = parts[-1] is None
+            data = b"".join(p for p in parts if p is not None)
+            if data:
+                yield data
+        if failure:
+            raise failure[0]
+    finally:
+        if not task.done():
+            task.cancel()
+        # Shielded: the response ends only once the request's own cleanup (its job's cancel
+        # flag, its reservation) is done, as when the chunks were made on this side.
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(task, return_exceptions=True)
+
+
+def sse_response(chunks: AsyncIterator[bytes], first: StreamEvent) -> StreamingResponse:
+    """The streamed answer: `chunks` coalesced per write, the SSE headers (the worker that took
+    the request, from its first event)."""
+    return StreamingResponse(
+        coalesced(chunks), media_type="text/event-stream", headers=sse_headers(first)
+    )
 
 
 def open_streams(request: Request, state: RouterState, routed: RoutedRequest) -> list[Events]:
