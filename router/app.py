@@ -164,7 +164,7 @@ async def _build_state(settings: Settings) -> RouterState:
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
     state = await _build_state(settings)
-    init_labels()
+    init_labels(state.model_id)
     app.state.router = state
     freeze_startup_heap(log)
     log.info(

@@ -44,6 +44,59 @@ REQUEST_DECODE_TOK_S = Histogram(
     buckets=(1, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000),
 )
 
+# vLLM's latency histograms, in seconds, by model (vLLM's bucket edges, from 1 ms to minutes).
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+_TOKEN_GAP_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+    0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+TTFT_SECONDS = Histogram(
+    "mlxcel_time_to_first_token_seconds",
+    "Time from the router's admission to the first generated token.",
+    ["model_name"],
+    buckets=_LATENCY_BUCKETS,
+)
+QUEUE_SECONDS = Histogram(
+    "mlxcel_request_queue_time_seconds",
+    "Time from the router's admission to a worker starting the request.",
+    ["model_name"],
+    buckets=_LATENCY_BUCKETS,
+)
+PREFILL_SECONDS = Histogram(
+    "mlxcel_request_prefill_time_seconds",
+    "Time from a worker starting the request to its first generated token.",
+    ["model_name"],
+    buckets=_LATENCY_BUCKETS,
+)
+INTER_TOKEN_SECONDS = Histogram(
+    "mlxcel_request_inter_token_latency_seconds",
+    "A request's mean time between generated tokens after the first (one observation each).",
+    ["model_name"],
+    buckets=_TOKEN_GAP_BUCKETS,
+)
+E2E_SECONDS = Histogram(
+    "mlxcel_e2e_request_latency_seconds",
+    "Time from the router's admission to the request's last event.",
+    ["model_name"],
+    buckets=_LATENCY_BUCKETS,
+)
+# Requests that finished, once each (n choices count one), by how: stop, length, tool_calls.
+FINISH_REASONS = ("stop", "length", "tool_calls")
+REQUEST_SUCCESS = Counter(
+    "mlxcel_request_success",
+    "Requests that finished, by the first choice's finish reason.",
+    ["model_name", "finished_reason"],
+)
+LATENCY_HISTOGRAMS = (
+    TTFT_SECONDS,
+    QUEUE_SECONDS,
+    PREFILL_SECONDS,
+    INTER_TOKEN_SECONDS,
+    E2E_SECONDS,
+)
 
 # Admission refusals (429s), by the bound that refused: inflight or tokens.
 ADMISSION_REFUSED = Counter(
@@ -71,8 +124,13 @@ ROUTING_REUSED_TOTAL = Counter(
 )
 
 
-def init_labels() -> None:
-    """Create every labelled series at 0 so dashboards see each outcome from the start."""
+def init_labels(model: str) -> None:
+    """Create every labelled series at 0 so dashboards see each outcome from the start (the
+    latency series of the router's own model; another model's appear with its first request)."""
+    for hist in LATENCY_HISTOGRAMS:
+        hist.labels(model)
+    for reason in FINISH_REASONS:
+        REQUEST_SUCCESS.labels(model, reason).inc(0)
     for outcome in ROUTING_OUTCOMES:
         ROUTING_DECISIONS.labels(outcome).inc(0)
     for reason in ADMISSION_REASONS:

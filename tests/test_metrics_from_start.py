@@ -16,10 +16,11 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.metrics import ADMISSION_REASONS, ROUTING_OUTCOMES
+from router.metrics import ADMISSION_REASONS, FINISH_REASONS, LATENCY_HISTOGRAMS, ROUTING_OUTCOMES
 from shared import keys
 from shared.reject import REJECT_REASONS
 from tests.pool_fixture import running_pool
+from tests.streams import TINY_MODEL
 
 pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
 
@@ -118,5 +119,59 @@ def test_every_dashboard_series_exists_at_zero_before_any_request(
     for hist in ("mlxcel_request_ttft_ms", "mlxcel_request_decode_tok_s"):
         (count,) = [s.value for s in families[hist].samples if s.name == f"{hist}_count"]
         assert count == 0.0, hist
+    # vLLM's latency histograms, in seconds, and the finish-reason split: the router's own
+    # model's series exist at 0 before its first request.
+    model = {"model_name": TINY_MODEL}
+    for hist in LATENCY_HISTOGRAMS:
+        name = hist._name
+        (count,) = [
+            s.value
+            for s in families[name].samples
+            if s.name == f"{name}_count" and s.labels == model
+        ]
+        assert count == 0.0, name
+    assert labelled("mlxcel_request_success_total", "finished_reason") == dict.fromkeys(
+        FINISH_REASONS, 0.0
+    )
     (alive,) = [s.value for s in families["mlxcel_workers_alive"].samples]
     assert alive == 1.0
+
+
+def _samples(pool: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(f"{pool.url}/metrics", timeout=10).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+
+
+def test_latency_histograms_observe_each_choice_and_count_each_request_once(
+    shared_pool: Any,
+) -> None:
+    """A two-choice completion: every latency histogram of its model observes both choices in
+    seconds (queue, prefill, first token, end to end, the mean gap between tokens), and the
+    request counts once, under its first choice's finish reason."""
+    before = _samples(shared_pool)
+    body = {"model": TINY_MODEL, "prompt": "Once upon", "max_tokens": 4, "n": 2, "temperature": 0}
+    resp = httpx.post(f"{shared_pool.url}/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    reasons = [c["finish_reason"] for c in resp.json()["choices"]]
+    after = _samples(shared_pool)
+
+    model = {"model_name": TINY_MODEL}
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted({"model_name": TINY_MODEL, **labels}.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    for hist in LATENCY_HISTOGRAMS:
+        assert delta(f"{hist._name}_count") == 2, hist._name
+        assert delta(f"{hist._name}_sum") > 0, hist._name
+        # In seconds, from 1 ms up (vLLM's edges): the all-inclusive bucket holds both.
+        assert delta(f"{hist._name}_bucket", le="+Inf") == 2, hist._name
+        assert (f"{hist._name}_bucket", tuple(sorted({"le": "0.001", **model}.items()))) in after
+    assert delta("mlxcel_request_success_total", finished_reason=reasons[0]) == 1
+    assert (
+        sum(delta("mlxcel_request_success_total", finished_reason=r) for r in FINISH_REASONS) == 1
+    )

@@ -12,8 +12,8 @@ from typing import Any
 from router.admission.tool_calls import ToolCallStream
 from router.edge.errors import APIError
 from router.edge.openai_types import Usage
-from router.metrics import REQUEST_DECODE_TOK_S, REQUEST_TTFT_MS
 from router.relay.logprobs import TokenLogprob, from_event
+from router.relay.timings import Timings
 from shared.errors import ErrorKind, kind_of
 from shared.wire import GenerationRequest, StreamEvent
 
@@ -42,8 +42,14 @@ class ChoiceProgress:
     # logprobs, the prompt's tokens, with the logprobs the worker's start event carries).
     echo: str | None = None
     started: bool = False  # a start came (a second one begins a new attempt)
+    counted: bool = True  # the request's first choice, whose end counts the request
+    timings: Timings = field(init=False)
 
     def __post_init__(self) -> None:
+        self.timings = Timings(self.gen.model, self.gen.enqueued_at, self.counted)
+        self._new_attempt()
+
+    def _new_attempt(self) -> None:
         self.tool_stream = self.tool_streams() if self.tool_streams else None
 
     @property
@@ -61,7 +67,8 @@ class ChoiceProgress:
             self.logprobs_sent = self.chars = 0
             self.worker_id = ev.worker_id or ""
             self.usage.cached_tokens = ev.cached_tokens
-            self.__post_init__()
+            self.timings.started(now)
+            self._new_attempt()
             if self.echo is not None:
                 return self._echo(ev, again)
         elif ev.kind == "delta":
@@ -73,7 +80,7 @@ class ChoiceProgress:
             self.text.append(text)
             if self.first_token_at is None:
                 self.first_token_at = now
-                REQUEST_TTFT_MS.observe(max(0.0, (now - self.gen.enqueued_at) * 1000))
+                self.timings.first_token(now)
             return text, calls
         elif ev.kind == "done":
             text, calls = ("", []) if self.tool_stream is None else self.tool_stream.finish()
@@ -86,11 +93,7 @@ class ChoiceProgress:
                 completion_tokens=ev.completion_tokens,
                 cached_tokens=ev.cached_tokens or self.usage.cached_tokens,
             )
-            # Decode speed counts the tokens after the first (the first one is the TTFT's).
-            if self.first_token_at is not None and ev.completion_tokens > 1:
-                elapsed = now - self.first_token_at
-                if elapsed > 0:
-                    REQUEST_DECODE_TOK_S.observe((ev.completion_tokens - 1) / elapsed)
+            self.timings.done(now, ev.completion_tokens, self.finish_reason)
             return text, calls
         return "", []
 

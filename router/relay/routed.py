@@ -40,7 +40,7 @@ class RoutedRequest:
         """Each choice's progress (completions' `echo`: its prompt text comes first)."""
         echoes = self.admission.echo or [None] * len(self.gens)
         self.progress = [
-            ChoiceProgress(gen, tool_streams=self.tool_streams, echo=echo)
-            for gen, echo in zip(self.gens, echoes, strict=True)
+            ChoiceProgress(gen, tool_streams=self.tool_streams, echo=echo, counted=i == 0)
+            for i, (gen, echo) in enumerate(zip(self.gens, echoes, strict=True))
         ]
         return self.progress
