@@ -185,7 +185,9 @@ def test_the_choices_of_one_prompt_run_on_one_worker_that_computes_it_once(pool)
     def worker_delta(w: str, name: str) -> int:
         return _counters(pool, w).get(name, 0) - before[w].get(name, 0)
 
-    wait_for(lambda: worker_delta(wid, "requests") == 4, 10, "the worker's counters published")
+    # One request with its prompt, counted once however many choices.
+    wait_for(lambda: worker_delta(wid, "requests") == 1, 10, "the worker's counters published")
+    assert worker_delta(wid, "prompt_tokens") == len(prompt)
     # One prefill of the prompt (all but its last token, as for one request alone).
     assert worker_delta(wid, "batch_prefill_tokens") == len(prompt) - 1
     assert worker_delta(_other(wid), "requests") == 0

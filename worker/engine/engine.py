@@ -227,8 +227,10 @@ class Engine:
     def _begin(self, req: Request, out: StepResult) -> None:
         """Counted and announced: its `start` event, with the prompt tokens it did not compute."""
         prompt = req.spec.prompt_tokens
-        self.counters.requests += 1
-        self.counters.prompt_tokens += len(prompt)
+        spec = req.spec
+        if not spec.group or spec.group == spec.request_id:  # n choices: the prompt counts once
+            self.counters.requests += 1
+            self.counters.prompt_tokens += len(prompt)
         start = StreamEvent(
             kind="start",
             prompt_tokens=len(prompt),
