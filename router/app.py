@@ -26,6 +26,7 @@ from router.edge.auth import install_auth, load_access
 from router.edge.body_limit import BodyLimit
 from router.edge.busy_gate import BusyGateMiddleware
 from router.edge.errors import install_error_handlers
+from router.edge.http_metrics import HttpMetrics
 from router.metrics import init_labels
 from router.placement.ledger import AdmissionLedger
 from router.placement.place import Placer
@@ -191,7 +192,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=app.state.settings.router.max_body_bytes)
     # Inside auth, outside everything that reads a body: a flood's refusals cost no parsing.
     app.add_middleware(BusyGateMiddleware)
-    # Last added, so it runs first: an unauthenticated request is refused before anything reads it.
+    # Added after them, so it runs before them: an unauthenticated request is refused before
+    # anything reads it.
     install_auth(app, load_access(app.state.settings.auth))
     routes = (
         completions,
@@ -207,4 +209,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     for module in routes:
         app.include_router(module.router)
+    # Outermost (added last): every response counted, the door's refusals too.
+    app.add_middleware(HttpMetrics, paths=frozenset(getattr(r, "path", "") for r in app.routes))
     return app

@@ -98,6 +98,13 @@ LATENCY_HISTOGRAMS = (
     E2E_SECONDS,
 )
 
+# Every HTTP response, by route (its path template) and status class (2xx, 4xx, 5xx).
+HTTP_RESPONSES = Counter(
+    "mlxcel_http_responses",
+    "HTTP responses by route and status class.",
+    ["route", "status_class"],
+)
+
 # Admission refusals (429s), by the bound that refused: inflight or tokens.
 ADMISSION_REFUSED = Counter(
     "mlxcel_admission_refused", "Requests refused at a pool bound (429).", ["reason"]

@@ -175,3 +175,29 @@ def test_latency_histograms_observe_each_choice_and_count_each_request_once(
     assert (
         sum(delta("mlxcel_request_success_total", finished_reason=r) for r in FINISH_REASONS) == 1
     )
+
+
+def test_every_response_is_counted_by_route_and_status_class(shared_pool: Any) -> None:
+    """A 200, a 400 and a 404 on a served route, and an unknown path: each under its route's
+    path template (or `other`) and its status class."""
+    before = _samples(shared_pool)
+    url = shared_pool.url
+    ok = {"model": TINY_MODEL, "prompt": "Hi", "max_tokens": 2}
+    assert httpx.post(f"{url}/v1/completions", json=ok, timeout=60).status_code == 200
+    bad = {**ok, "max_tokens": -1}
+    assert httpx.post(f"{url}/v1/completions", json=bad, timeout=60).status_code == 400
+    assert httpx.get(f"{url}/v1/models/no-such-model", timeout=10).status_code == 404
+    assert httpx.get(f"{url}/no/such/path", timeout=10).status_code == 404
+    after = _samples(shared_pool)
+
+    def delta(route: str, status_class: str) -> float:
+        key = (
+            "mlxcel_http_responses_total",
+            (("route", route), ("status_class", status_class)),
+        )
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("/v1/completions", "2xx") == 1
+    assert delta("/v1/completions", "4xx") == 1
+    assert delta("/v1/models/{model_id:path}", "4xx") == 1
+    assert delta("other", "4xx") == 1
