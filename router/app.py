@@ -210,5 +210,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in routes:
         app.include_router(module.router)
     # Outermost (added last): every response counted, the door's refusals too.
-    app.add_middleware(HttpMetrics, paths=frozenset(getattr(r, "path", "") for r in app.routes))
+    paths = frozenset(p for r in app.routes if (p := getattr(r, "path", "")))
+    app.add_middleware(HttpMetrics, paths=paths)
     return app

@@ -7,6 +7,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.metrics import HTTP_RESPONSES
 
+STATUS_CLASSES = ("2xx", "4xx", "5xx")
 OTHER = "other"  # a path no route serves: one label for all, so a scan cannot grow the series
 
 
@@ -14,6 +15,9 @@ class HttpMetrics:
     def __init__(self, app: ASGIApp, paths: frozenset[str] = frozenset()) -> None:
         self.app = app
         self.paths = paths  # the app's routes' paths, for a request refused before routing
+        for path in (*paths, OTHER):  # every route's series at 0 from the first scrape on
+            for status_class in STATUS_CLASSES:
+                HTTP_RESPONSES.labels(path, status_class).inc(0)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
