@@ -267,12 +267,12 @@ def test_every_series_the_grafana_dashboard_queries_is_exported(pool) -> None:
     queried = 0
     for panel in dashboard["panels"]:
         for target in panel["targets"]:
-            for name in re.findall(r"mlxcel_[a-z_]+", target["expr"]):
+            for name in re.findall(r"mlxcel_[a-z0-9_]+", target["expr"]):
                 assert name in exported, (panel["title"], name)
                 queried += 1
             for label in re.findall(r"by \(([a-z_, ]+)\)", target["expr"]):
                 for lab in (x.strip() for x in label.split(",")):
-                    names = re.findall(r"mlxcel_[a-z_]+", target["expr"])
+                    names = re.findall(r"mlxcel_[a-z0-9_]+", target["expr"])
                     assert lab == "le" or any(lab in exported[n] for n in names), (
                         panel["title"],
                         lab,
