@@ -349,6 +349,9 @@ class StreamEvent:
     worker_id: str = ""
     error: str = ""
     error_type: str = ""
+    # A `done` whose sequence a stop string ended: which of the request's stop strings matched
+    # (Anthropic's `stop_sequence`); None when EOS, a stop token or max_tokens ended it.
+    stop_str: str | None = None
 
     KINDS: ClassVar[frozenset[str]] = frozenset({"start", "delta", "done", "error"})
     WIRE_TYPES: ClassVar[dict[str, tuple[type, ...]]] = {
@@ -365,11 +368,12 @@ class StreamEvent:
         "worker_id": (str,),
         "error": (str,),
         "error_type": (str,),
+        "stop_str": (str, type(None)),
     }
 
     # As GenerationRequest's: a router from before prompt_logprobs reads every event of a
     # request that does not ask for them.
-    OMITTED_AT_DEFAULT: ClassVar[dict[str, Any]] = {"prompt_logprobs": []}
+    OMITTED_AT_DEFAULT: ClassVar[dict[str, Any]] = {"prompt_logprobs": [], "stop_str": None}
 
     def to_wire(self) -> bytes:
         # Packed once per token: a shallow copy of the instance dict, not asdict's deep one.

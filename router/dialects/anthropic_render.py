@@ -31,17 +31,6 @@ def stop_reason(finish_reason: str | None, stop_sequence: str | None) -> str:
     return STOP_REASONS.get(finish_reason or "", "end_turn")
 
 
-def matched_stop(text: str, generated: str, stops: list[str]) -> str | None:
-    """The stop sequence that ended `text`, given `generated`, the text of every token the
-    model wrote (the worker cuts the text before a stop sequence, and says only "stop"): the
-    shortest of `stops` that `generated` continues `text` with, so None after an end-of-turn
-    token. Compared without leading whitespace: a tokenizer's decode of the tokens alone may
-    drop the space the streamed text began with."""
-    full = generated.lstrip()
-    found = [s for s in stops if full.startswith((text + s).lstrip())]
-    return min(found, key=len) if found else None
-
-
 def usage_body(usage: Usage) -> dict[str, int]:
     cached = min(usage.cached_tokens, usage.prompt_tokens)
     return {

@@ -19,7 +19,6 @@ from router.dialects.anthropic_render import (
     MessageEvents,
     MessageShape,
     error_event,
-    matched_stop,
     message_body,
 )
 from router.dialects.anthropic_request import chat_request
@@ -47,20 +46,22 @@ async def create_message(
     chat = chat_request(body)
     routed = await submit_chat(chat, state)
     (progress,) = routed.start_relay()
-    generated: list[int] = []  # the token ids of the attempt that answers
     (events,) = open_streams(request, state, routed)
-    events = _recorded(events, generated)
     shape = MessageShape(routed.model)
     if not routed.stream:
         await collect(events, progress)
-        stop = await _stop_sequence(state, progress, generated)
         text = "".join(progress.text)
         answer = message_body(
-            shape, text, progress.tool_calls, progress.finish_reason, stop, progress.usage
+            shape,
+            text,
+            progress.tool_calls,
+            progress.finish_reason,
+            progress.stop_str,
+            progress.usage,
         )
         return JSONResponse(answer, headers=served_by(progress.worker_id))
     (first,) = await first_events([events])
-    chunks = _events(first, events, progress, generated, shape, state)
+    chunks = _events(first, events, progress, shape)
     return sse_response(chunks, first)
 
 
@@ -85,39 +86,11 @@ async def count_tokens(body: CountTokensRequest, state: RouterState) -> dict[str
     return {"input_tokens": len(counted)}
 
 
-async def _recorded(events: Events, generated: list[int]) -> Events:
-    """`events` as they come, with every delta's token ids kept in `generated` (a new attempt's
-    start drops a lost one's, as its progress drops its text)."""
-    async with aclosing(events):
-        async for ev in events:
-            if ev.kind == "start":
-                generated.clear()
-            generated.extend(ev.token_ids)
-            yield ev
-
-
-async def _stop_sequence(
-    state: RouterState, progress: ChoiceProgress, generated: list[int]
-) -> str | None:
-    """Which of the request's stop sequences ended it (router.dialects.anthropic_render's
-    matched_stop), or None."""
-    stops = progress.gen.stop
-    if progress.finish_reason != "stop" or not stops:
-        return None
-    ctx = await anyio.to_thread.run_sync(state.catalog.get, progress.gen.model)
-    if ctx is None:  # its workers went since admission: the text is what it is
-        return None
-    written = await anyio.to_thread.run_sync(ctx.tokenizer.decode, list(generated))
-    return matched_stop("".join(progress.text), written, stops)
-
-
 async def _events(
     first: StreamEvent,
     events: Events,
     progress: ChoiceProgress,
-    generated: list[int],
     shape: MessageShape,
-    state: RouterState,
 ) -> AsyncIterator[bytes]:
     out = MessageEvents(shape)
     async with aclosing(events):
@@ -135,8 +108,7 @@ async def _events(
                 head = out.start(prompt)
             data = head + out.text(text) + out.tool_calls(calls)
             if ev.kind == "done":
-                stop = await _stop_sequence(state, progress, generated)
-                yield data + out.end(progress.finish_reason, stop, progress.usage)
+                yield data + out.end(progress.finish_reason, progress.stop_str, progress.usage)
                 return
             if data:
                 yield data

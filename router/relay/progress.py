@@ -29,6 +29,7 @@ class ChoiceProgress:
     first_token_at: float | None = None
     usage: Usage = field(default_factory=Usage)
     finish_reason: str | None = None
+    stop_str: str | None = None  # the stop string that ended it (the worker's `done` says)
     worker_id: str = ""
     # The request asked for logprobs: each token's, and how many a streamed chunk has sent.
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -86,6 +87,7 @@ class ChoiceProgress:
             text, calls = ("", []) if self.tool_stream is None else self.tool_stream.finish()
             self.text.append(text)
             self.finish_reason = ev.finish_reason or "stop"
+            self.stop_str = ev.stop_str
             if self.tool_calls and self.finish_reason == "stop":
                 self.finish_reason = "tool_calls"
             self.usage = Usage(

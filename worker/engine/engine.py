@@ -567,6 +567,7 @@ class Engine:
                 prompt_tokens=usage.prompt_tokens,
                 completion_tokens=usage.completion_tokens,
                 cached_tokens=usage.cached_tokens,
+                stop_str=req.text.matched if reason == "stop" else None,
             ),
         )
         out.end(req)

@@ -28,6 +28,7 @@ class TextStream:
     _held: str = ""
     _stopped: bool = False
     _pushed: bool = False
+    matched: str | None = None  # the stop string that matched, once one did
 
     def prime(self, tokens: list[int]) -> None:
         """Continue the text after `tokens` (the prompt's last few, whose text the client has):
@@ -69,6 +70,7 @@ class TextStream:
             self._held = ""
             self._stopped = True
             cut, end = found
+            self.matched = text[cut:end]
             return TextDelta(text[: end if self.include_stop else cut], True)
         keep = _longest_stop_prefix_suffix(text, self.stop)
         self._held = text[len(text) - keep :] if keep else ""
