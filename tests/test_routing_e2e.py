@@ -312,14 +312,15 @@ def test_when_the_holder_dies_its_requests_are_served_elsewhere(pool) -> None:
     assert served == _other(holder)
     served, _ = complete(pool, PREFIX + tail(730))
     assert served == _other(holder)
-    # Once the peer has reaped it, its routing entries are gone, not just ignored.
+    # Once the peer has reaped it, its routing entries are gone, not just ignored. Its claim is
+    # written first and the entries deleted after it, so the test waits for the deletes too.
     old_epoch = pool.r.hget(keys.worker_info(holder), "epoch")
     wait_for(lambda: pool.r.exists(keys.worker_reaped(holder)), 20, "the holder reaped")
-    assert not pool.r.exists(
-        keys.worker_routed(holder), keys.worker_load(holder), keys.worker_prefill(holder)
-    )
+    entries = [keys.worker_routed(holder), keys.worker_load(holder), keys.worker_prefill(holder)]
     if old_epoch is not None:  # read before its info hash expired
-        assert not pool.r.exists(keys.worker_blocks(holder, old_epoch.decode()))
+        entries.append(keys.worker_blocks(holder, old_epoch.decode()))
+    # Well inside the block set's own lease (15 s from the last heartbeat): the reaper's delete.
+    wait_for(lambda: not pool.r.exists(*entries), 5, "the holder's routing entries deleted")
     # It comes back under a new epoch: its last life's blocks never count again.
     pool.start_worker(holder)
     wait_for(

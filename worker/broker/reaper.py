@@ -57,7 +57,6 @@ class Reaper:
         self.model_id = presence.info.get("model", "")
         # peer id -> (passes in a row it looked dead, when the last of them counted)
         self._suspects: dict[str, tuple[int, float]] = {}
-        self._epochs: dict[str, str] = {}  # a suspect's epoch, read when it first looked dead
 
     def reap(self) -> list[str]:
         """One pass; the ids of the jobs it failed. A pass counts towards a peer's death only
@@ -74,18 +73,11 @@ class Reaper:
             wid, pttl, reaped = peer.worker_id, peer.pttl_ms, bool(peer.extra[0])
             if peer.alive or reaped:
                 self._suspects.pop(wid, None)
-                self._epochs.pop(wid, None)
                 continue
             seen, counted_at = self._suspects.get(wid, (0, float("-inf")))
             if now - counted_at >= REAP_INTERVAL_S:
                 seen, counted_at = seen + 1, now
                 self._suspects[wid] = (seen, counted_at)
-            if seen == 1 and wid not in self._epochs:
-                # Its epoch now, while its info hash is surely there: the hash may expire
-                # before the last confirming pass, and the block set is named by it.
-                epoch = self.r.hget(keys.worker_info(wid), "epoch")
-                if epoch:
-                    self._epochs[wid] = epoch.decode()
             if seen < DEAD_CONFIRMATIONS:
                 continue
             since = _since(heartbeat_age_s(pttl))
@@ -188,14 +180,11 @@ class Reaper:
 
     def _forget_index(self, wid: str) -> None:
         """The dead worker's routing entries go (routers stopped counting them when its
-        heartbeat stopped); its block set too, by the epoch its info hash names (or named when
-        it first looked dead)."""
-        raw = self.r.hget(keys.worker_info(wid), "epoch")
-        epoch = raw.decode() if raw else self._epochs.get(wid)
-        self._epochs.pop(wid, None)
+        heartbeat stopped); its block set, if the info hash still names its epoch, too."""
+        epoch = self.r.hget(keys.worker_info(wid), "epoch")
         doomed = [keys.worker_routed(wid), keys.worker_load(wid), keys.worker_prefill(wid)]
         if epoch:
-            doomed.append(keys.worker_blocks(wid, epoch))
+            doomed.append(keys.worker_blocks(wid, epoch.decode()))
         self.r.delete(*doomed)
 
     def _retire(self, worker_name: str) -> None:
