@@ -197,7 +197,7 @@ class Pool:
             clean_multiproc_dir(self.settings.multiproc_dir)
             self._env = self._child_env()
             if self.model_path is None:
-                with open(self.log_dir / "build-model.log", "ab") as log:
+                with open(self.log_dir / "build-model.log", "a") as log:
                     self.model_path = ensure_model(self.settings, self._env, log)
             self._env["MLXCEL_MODEL"] = str(self.model_path)
             self._spawn(

@@ -27,6 +27,7 @@ script (Redis time there grows with the number of calls).
 | `mlxcel:worker:<wid>:load` | zset | routers: requests placed there | ROUTED_TTL_S |
 | `mlxcel:worker:<wid>:prefill` | hash | routers: unstarted requests' tokens | ROUTED_TTL_S |
 | `mlxcel:routing:stats` | hash | routers: decisions, predicted vs reused tokens | none |
+| `mlxcel:supervisor:restarts` | hash | supervisors: worker id -> restarts | none: counters |
 | `mlxcel:routing:canary` | hash | routers and workers: model id -> canary hash | none |
 | `mlxcel:routing:rr` | string | routers: the round-robin cursor | none |
 | `mlxcel:response:<response_id>:state` | string | routers: a stored response | responses_ttl_s |
@@ -190,6 +191,12 @@ def response_state(response_id: str) -> str:
     return f"{PREFIX}:response:{response_id}:state"
 
 
+def supervisor_restarts() -> str:
+    """Per worker id, how many times a supervisor (`mlxcel-pool up`, on any host) started that
+    worker again after it exited (HINCRBY: a counter that never goes back)."""
+    return f"{PREFIX}:supervisor:restarts"
+
+
 def router_wake(hub_id: str) -> str:
     """A router process's own stream: a write here wakes its blocked multi-stream XREAD."""
     return f"{PREFIX}:router:{hub_id}:wake"
@@ -209,7 +216,7 @@ WORKER_KEY_TEMPLATES: dict[str, str] = {
 
 @dataclass(frozen=True)
 class ParsedKey:
-    kind: str  # "req" or "worker" or "control" or "workers" or "response"
+    kind: str  # "req", "worker", "control", "workers", "response", "routing", "supervisor"...
     ident: str  # request id, worker id or reply id ("" for the roster)
     part: str  # "stream", "cancel", "info", "cache:counters", ...
 
@@ -225,6 +232,8 @@ def parse_key(key: str) -> ParsedKey:
         return ParsedKey("admission", "", parts[2])
     if len(parts) == 3 and parts[1] == "routing" and parts[2] in ("stats", "canary", "rr"):
         return ParsedKey("routing", "", parts[2])
+    if parts[1:] == ["supervisor", "restarts"]:
+        return ParsedKey("supervisor", "", "restarts")
     if len(parts) == 5 and parts[1] == "worker" and parts[2] and parts[3] == "blocks" and parts[4]:
         return ParsedKey("worker", parts[2], "blocks")
     if (

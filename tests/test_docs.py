@@ -119,6 +119,8 @@ def test_mlxcel_keys_parse_back(name: str) -> None:
             "rr": keys.routing_cursor,
         }
         assert built[parsed.part]() == key
+    elif parsed.kind == "supervisor":
+        assert key == keys.supervisor_restarts()
     elif parsed.part == "blocks":
         assert keys.worker_blocks(parsed.ident, args[1]) == key
     elif parsed.kind == "admission":
