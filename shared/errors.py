@@ -21,6 +21,9 @@ class ErrorKind(enum.StrEnum):
     UNAUTHORIZED = "invalid_api_key"
     POOL_BUSY = "rate_limit_exceeded"  # the pool's bound: retry after Retry-After
     NO_LIVE_WORKER = "no_live_worker"
+    # A live worker's model whose tokenizer files are not on the router's host: an operator's
+    # fix (copy or mount them), not a client's retry.
+    MODEL_FILES_MISSING = "model_files_missing"
     WORKER_LOST = "worker_lost"  # the worker running it died or stalled: retry
     REDIS_UNAVAILABLE = "redis_unavailable"  # the pool's queue is unreachable: retry
     TIMEOUT = "timeout"  # the request outlived its deadline
@@ -49,6 +52,7 @@ SHAPES: dict[ErrorKind, ErrorShape] = {
     ErrorKind.UNAUTHORIZED: ErrorShape(401, "invalid_request_error", "invalid_api_key"),
     ErrorKind.POOL_BUSY: ErrorShape(429, "rate_limit_error", "rate_limit_exceeded"),
     ErrorKind.NO_LIVE_WORKER: ErrorShape(503, "server_error", "no_live_worker"),
+    ErrorKind.MODEL_FILES_MISSING: ErrorShape(503, "server_error", "model_files_missing"),
     ErrorKind.WORKER_LOST: ErrorShape(503, "server_error", "worker_lost"),
     ErrorKind.REDIS_UNAVAILABLE: ErrorShape(503, "server_error", "redis_unavailable"),
     ErrorKind.TIMEOUT: ErrorShape(504, "server_error", "timeout"),

@@ -478,5 +478,6 @@ def test_metrics_parse_and_list_every_reject_reason(client: httpx.Client) -> Non
 def test_missing_model_dir_fails_at_startup_with_a_hint(tmp_path: Path) -> None:
     from router.admission.tokenization import TokenizerLoadError, load_tokenizer
 
-    with pytest.raises(TokenizerLoadError, match="mlxcel-pool build-model"):
-        load_tokenizer(tmp_path / "no-model")
+    # The built-in model's directory (where `configured_model_dir` defaults to): build it there.
+    with pytest.raises(TokenizerLoadError, match="mlxcel-pool build-model --out"):
+        load_tokenizer(tmp_path / "models" / "mlxcel-tiny-s0")

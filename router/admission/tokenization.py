@@ -10,7 +10,9 @@ import copy
 import inspect
 import json
 import logging
+import os
 import queue
+import socket
 import threading
 import uuid
 from collections.abc import Iterator
@@ -21,6 +23,7 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from devmodel.paths import built_model_dir
 from router.admission.tool_calls import ToolParser, infer_parser_name, load_parser
 from shared.block_hash import template_signature
 from shared.model_facts import FALLBACK_CONTEXT, ModelConfigError, model_facts
@@ -30,6 +33,28 @@ log = logging.getLogger(__name__)
 
 class TokenizerLoadError(RuntimeError):
     """The model directory or its tokenizer cannot be used (raised at startup)."""
+
+
+class ModelFilesMissing(TokenizerLoadError):
+    """The model directory is not on this host, or lacks the files the router reads: no retry
+    mends it, only copying (or mounting) the files does."""
+
+    def __init__(self, message: str, model_dir: Path, missing: str) -> None:
+        super().__init__(message)
+        self.model_dir = model_dir
+        self.missing = missing  # what is wrong, in words (`missing_model_files`)
+
+
+# What load_tokenizer reads of a model directory, never its weights: config.json (the context
+# length and vocabulary, and AutoTokenizer's choice of class), the tokenizer in one of its forms,
+# and its configuration and chat template where present. Named in every hint to copy them.
+TOKENIZER_FILES = (
+    "tokenizer files (config.json, tokenizer.json, tokenizer_config.json, "
+    "special_tokens_map.json and any chat_template.jinja; a slow tokenizer's tokenizer.model, "
+    "or vocab.json and merges.txt; not the weights)"
+)
+# The tokenizer itself, in each form AutoTokenizer loads: a directory needs one of them.
+_TOKENIZER_FORMS = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 class ChatTemplateError(ValueError):
@@ -235,10 +260,43 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 ) | {"messages"}
 
 
-def load_tokenizer(model_dir: Path, copies: int = 1) -> PromptTokenizer:
-    hint = "run `mlxcel-pool build-model` or set MLXCEL_MODEL to a model directory"
+def missing_model_files(model_dir: Path) -> str | None:
+    """What this host lacks of `model_dir` for `load_tokenizer`, in words ("there is no
+    directory /m", "/m has no config.json"), else None. A few stats: cheap enough to ask
+    whenever a model is seen."""
     if not model_dir.is_dir():
-        raise TokenizerLoadError(f"model directory {model_dir} does not exist ({hint})")
+        return f"there is no directory {model_dir}"
+    if not os.access(model_dir, os.R_OK | os.X_OK):
+        return f"{model_dir} is not readable by this process"
+    lacking = [] if (model_dir / "config.json").is_file() else ["config.json"]
+    if not any((model_dir / name).is_file() for name in _TOKENIZER_FORMS):
+        lacking.append("tokenizer.json (nor tokenizer.model, nor vocab.json)")
+    return f"{model_dir} has no {' and no '.join(lacking)}" if lacking else None
+
+
+def own_model_fix(model_dir: Path) -> str:
+    """How to mend the router's own model directory: build it, where it is the built-in model's
+    (`devmodel.paths.built_model_dir`, what `configured_model_dir` names by default), else copy
+    the tokenizer's files there or name another directory."""
+    if model_dir == built_model_dir(model_dir.parent.parent):
+        return f"run `mlxcel-pool build-model --out {model_dir}`"
+    return (
+        f"copy the model's {TOKENIZER_FILES} to {model_dir}, or set MLXCEL_MODEL to a model "
+        "directory that has them"
+    )
+
+
+def load_tokenizer(model_dir: Path, copies: int = 1, fix: str | None = None) -> PromptTokenizer:
+    """The tokenizer of `model_dir`, `copies` times. `fix` says how to mend a directory that is
+    missing or broken (default: `own_model_fix`, for the router's own model).
+    ModelFilesMissing: the directory or its files are not on this host; TokenizerLoadError: they
+    are there but do not load."""
+    hint = fix if fix is not None else own_model_fix(model_dir)
+    missing = missing_model_files(model_dir)
+    if missing is not None:
+        host = socket.gethostname()
+        message = f"cannot load the tokenizer: on this host ({host}) {missing}: {hint}"
+        raise ModelFilesMissing(message, model_dir, missing)
     try:
         loaded = [
             AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
