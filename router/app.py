@@ -167,6 +167,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     state = await _build_state(settings)
     init_labels(state.model_id)
     app.state.router = state
+    await state.catalog.start()
     freeze_startup_heap(log)
     log.info(
         "router ready: model %r from %s, routing %s, redis %s",
@@ -179,6 +180,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     try:
         yield
     finally:
+        await state.catalog.stop()
         await state.dispatcher.ledger.stop()
         await state.dispatcher.hub.stop()
         await state.aredis.aclose()

@@ -24,7 +24,7 @@ from router.dialects.anthropic_render import (
 from router.dialects.anthropic_request import chat_request
 from router.dialects.anthropic_types import CountTokensRequest, CreateMessageRequest
 from router.edge.openai_types import Usage
-from router.pool_view.model_catalog import unknown_model_message
+from router.pool_view.model_catalog import unknown_model_message, unservable_error
 from router.relay.progress import ChoiceProgress, error_for
 from router.relay.streams import (
     Events,
@@ -74,7 +74,7 @@ async def count_tokens(body: CountTokensRequest, state: RouterState) -> dict[str
         try:
             ctx = state.catalog.get(body.model)
         except (TokenizerLoadError, CanaryMismatch) as exc:  # its workers', not the caller's
-            return Admission(Outcome.NO_WORKER, message=f"The pool cannot serve the model: {exc}")
+            raise unservable_error(body.model, exc) from exc
         if ctx is None:
             message = unknown_model_message(body.model, state.catalog.served())
             return Admission(Outcome.UNKNOWN_MODEL, param="model", message=message)

@@ -5,30 +5,58 @@ A worker of another model brings it into the pool: the router loads that model's
 from the directory the worker names (the same files on a shared disk or the same host), checks
 that it hashes the routing canary as the worker does, and from then on admits its requests.
 Routing only ever considers workers of the requested model (router/placement/placement.lua).
+
+A model whose directory this router's host lacks (or whose tokenizer files it lacks) is refused:
+each router process looks at the roster every WATCH_S, logs one ERROR naming the model, its
+workers, the path and the fix when it first sees that (and again only when what is wrong
+changes), leaves the model out of GET /v1/models and answers its requests 503
+`model_files_missing` (`unservable_error`) until the files appear, which it notices by itself.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import socket
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import anyio
 import redis
 
 from router.admission.admit import AdmissionContext, quoted
-from router.admission.tokenization import TokenizerLoadError, load_tokenizer
+from router.admission.tokenization import (
+    TOKENIZER_FILES,
+    ModelFilesMissing,
+    TokenizerLoadError,
+    load_tokenizer,
+    missing_model_files,
+)
+from router.edge.errors import APIError
 from shared import keys
 from shared.block_hash import BlockHasher, canary
 from shared.canary_check import CanaryMismatch
 from shared.embedding_wire import TASK_EMBEDDING, TASK_GENERATION
+from shared.errors import ErrorKind
 from shared.liveness import read_roster
 
 log = logging.getLogger(__name__)
 
 # How long a router trusts its last look at which models have live workers.
 LIVE_CACHE_S = 1.0
+# How often each router process looks at the roster for models it cannot serve, so a worker whose
+# model's files are not here is reported when it registers, not at the first request for it.
+WATCH_S = 2.0
+# How long a model that failed to load is refused without trying again: a broken tokenizer is
+# not loaded again for every request, and mended files are found this soon.
+RECHECK_S = 5.0
+# The 503 of a model whose files are missing tells the OpenAI and Anthropic SDKs not to retry (they
+# retry a 5xx otherwise, in vain: the files do not appear by waiting a few seconds).
+NO_RETRY = {"x-should-retry": "false"}
+
+LoadError = TokenizerLoadError | CanaryMismatch
 
 
 @dataclass(frozen=True)
@@ -41,10 +69,33 @@ class LiveModel:
     # generation worker's; an embedding model's vectors have `dimensions` floats.
     task: str = TASK_GENERATION
     dimensions: int = 0
+    # Its live workers, as (worker id, host), for the messages that name them.
+    workers: tuple[tuple[str, str], ...] = ()
 
     @property
     def embeds(self) -> bool:
         return self.task == TASK_EMBEDDING
+
+    def described_workers(self) -> str:
+        named = [f"{wid} on host {host or '?'}" for wid, host in self.workers]
+        return f"worker{'s' if len(named) > 1 else ''} {', '.join(named) or '?'}"
+
+
+@dataclass
+class _Refusal:
+    """Why a live model is refused, for the directory and canary its workers registered."""
+
+    model_dir: str
+    canary: str
+    error: LoadError
+    at: float = field(default_factory=time.monotonic)
+
+    def holds_for(self, live: LiveModel) -> bool:
+        return (live.model_dir, live.canary) == (self.model_dir, self.canary)
+
+    @property
+    def files_missing(self) -> bool:
+        return isinstance(self.error, ModelFilesMissing)
 
 
 class ModelCatalog:
@@ -61,14 +112,22 @@ class ModelCatalog:
         self.r = sync_redis
         self.hasher = hasher
         self.tokenizer_copies = tokenizer_copies
+        self.host = socket.gethostname()
         self._others: dict[str, AdmissionContext] = {}
         self._lock = threading.Lock()
         self._live: dict[str, LiveModel] = {}
         self._live_at = float("-inf")
+        # Models refused, by id, and what was last logged of each (logged again when it changes).
+        self._refused: dict[str, _Refusal] = {}
+        self._logged: dict[str, str] = {}
+        self._refusal_lock = threading.Lock()
+        self._task: asyncio.Task[None] | None = None
 
     def get(self, model_id: str) -> AdmissionContext | None:
         """The admission context of a model this pool serves, else None (blocking: call it off
-        the event loop; the first request for a newly seen model loads its tokenizer)."""
+        the event loop; the first request for a newly seen model loads its tokenizer).
+        ModelFilesMissing, TokenizerLoadError, CanaryMismatch: a live model this router cannot
+        serve (`unservable_error` is its answer)."""
         if model_id == self.primary.model_id:
             return self.primary
         ctx = self._others.get(model_id)
@@ -79,7 +138,19 @@ class ModelCatalog:
             return None
         with self._lock:
             if model_id not in self._others:
-                self._others[model_id] = self._load(live)
+                refusal = self._refused.get(model_id)
+                if (
+                    refusal is not None
+                    and refusal.holds_for(live)
+                    and time.monotonic() - refusal.at < RECHECK_S
+                ):
+                    raise refusal.error.with_traceback(None)  # shared: no tracebacks pile up
+                try:
+                    self._others[model_id] = self._load(live)
+                except (TokenizerLoadError, CanaryMismatch) as exc:
+                    self._refuse(live, exc)
+                    raise
+                self._accept(model_id)
         return self._others[model_id]
 
     def embedding_model(self, model_id: str) -> LiveModel | None:
@@ -89,43 +160,161 @@ class ModelCatalog:
         return live if live is not None and live.embeds else None
 
     def served(self) -> list[str]:
-        """The router's own model, then every other one with a live worker."""
+        """The router's own model, then every other one with a live worker that this router can
+        serve (as far as it knows without loading it)."""
         return [
             self.primary.model_id,
-            *sorted(m for m in self.live() if m != self.primary.model_id),
+            *sorted(m for m in self.listed() if m != self.primary.model_id),
         ]
+
+    def listed(self) -> dict[str, LiveModel]:
+        """The live models this router can serve, by id, as GET /v1/models lists them: every one
+        but those refused (their files checked here first, a few stats each)."""
+        live = self.live()
+        self._screen(live)
+        return {m: v for m, v in live.items() if m not in self._refused}
+
+    def refusal(self, model_id: str) -> LoadError | None:
+        """Why this router refuses a live model, else None, as of the last look at the roster
+        (in memory: no Redis, no disk)."""
+        refusal = self._refused.get(model_id)
+        return refusal.error if refusal is not None and model_id in self._live else None
+
+    def refusals(self) -> dict[str, str]:
+        """Each refused live model's message, by id, as of the last look at the roster (what
+        /health shows as `router_errors`; in memory: no Redis, no disk)."""
+        live = self._live
+        with self._refusal_lock:  # request threads and the watch change it
+            refused = sorted(self._refused.items())
+        return {m: str(r.error) for m, r in refused if m in live}
 
     def live(self) -> dict[str, LiveModel]:
         """Models with a live worker, by id (looked up at most once per LIVE_CACHE_S)."""
         now = time.monotonic()
         if now - self._live_at < LIVE_CACHE_S:
             return self._live
-        live: dict[str, LiveModel] = {}
-        fields = ("model", "model_dir", "canary", "task", "embedding_dimensions")
+        first: dict[str, dict[str, str]] = {}
+        workers: dict[str, list[tuple[str, str]]] = {}
+        fields = ("model", "model_dir", "canary", "task", "embedding_dimensions", "host")
         for w in read_roster(self.r, fields):
             mid = w.info.get("model")
             if not w.alive or mid is None:
                 continue
-            path = w.info.get("model_dir", "")
-            dims = w.info.get("embedding_dimensions", "")
-            live.setdefault(
+            first.setdefault(mid, w.info)
+            workers.setdefault(mid, []).append((w.worker_id, w.info.get("host", "")))
+        live: dict[str, LiveModel] = {}
+        for mid, info in first.items():
+            path = info.get("model_dir", "")
+            dims = info.get("embedding_dimensions", "")
+            live[mid] = LiveModel(
                 mid,
-                LiveModel(
-                    mid,
-                    path,
-                    w.info.get("canary", ""),
-                    _mtime(path),
-                    w.info.get("task") or TASK_GENERATION,
-                    int(dims) if dims.isdigit() else 0,
-                ),
+                path,
+                info.get("canary", ""),
+                _mtime(path),
+                info.get("task") or TASK_GENERATION,
+                int(dims) if dims.isdigit() else 0,
+                tuple(workers[mid]),
             )
         self._live, self._live_at = live, now
         return live
 
+    async def start(self) -> None:
+        """Watch the roster in the background (every WATCH_S), so a model this router cannot
+        serve is logged when its worker registers."""
+        self._task = asyncio.create_task(self._watch(), name="model-catalog")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                await anyio.to_thread.run_sync(self.listed)
+            except redis.RedisError as exc:  # requests report an unreachable Redis themselves
+                log.debug("model catalog: roster unreadable (%s); looking again later", exc)
+            except Exception:  # a bug here must not end the watch for the process's life
+                log.exception("model catalog: the roster check failed; looking again later")
+            await asyncio.sleep(WATCH_S)
+
+    def _screen(self, live: dict[str, LiveModel]) -> None:
+        """Refuse each live model not yet loaded whose files this host lacks; forget the
+        refusal of one whose files have appeared (its next request loads it)."""
+        for model_id, model in live.items():
+            if model_id == self.primary.model_id or model_id in self._others:
+                continue
+            missing = self._files_missing(model)
+            if missing is not None:
+                self._refuse(model, missing)
+                continue
+            refusal = self._refused.get(model_id)
+            if refusal is not None and refusal.files_missing:
+                self._accept(model_id)
+                log.info(
+                    "model %r: its files are at %s on this host now; serving it",
+                    model_id,
+                    model.model_dir,
+                )
+
+    def _files_missing(self, live: LiveModel) -> ModelFilesMissing | None:
+        """The refusal of `live` for files this host lacks, else None (they are here, or its
+        workers name no directory: `_load` refuses that)."""
+        if not live.model_dir:
+            return None
+        missing = missing_model_files(Path(live.model_dir))
+        if missing is None:
+            return None
+        message = (
+            f"The model {quoted(live.model_id)} is served by {live.described_workers()}, "
+            f"loaded from {live.model_dir}, but on this router's host ({self.host}) {missing}: "
+            f"copy that directory's {TOKENIZER_FILES} to {live.model_dir} on every router "
+            "host, or mount it there."
+        )
+        return ModelFilesMissing(message, Path(live.model_dir), missing)
+
+    def _refuse(self, live: LiveModel, error: LoadError) -> None:
+        """Record why `live` is refused; log it at ERROR unless that was the last thing logged
+        of it (a ModelFilesMissing by its path and what is missing, any other by its text), so
+        a refusal is logged once per router process, not once per request or per look."""
+        said = (
+            f"{error.model_dir}: {error.missing}"
+            if isinstance(error, ModelFilesMissing)
+            else str(error)
+        )
+        with self._refusal_lock:
+            self._refused[live.model_id] = _Refusal(live.model_dir, live.canary, error)
+            if self._logged.get(live.model_id) == said:
+                return
+            self._logged[live.model_id] = said
+        if isinstance(error, ModelFilesMissing):
+            log.error(
+                "%s Until then this router answers its requests 503 %s.",
+                error,
+                ErrorKind.MODEL_FILES_MISSING.value,
+            )
+        else:
+            log.error(
+                "model %r (%s) cannot be served by this router: %s",
+                live.model_id,
+                live.described_workers(),
+                error,
+            )
+
+    def _accept(self, model_id: str) -> None:
+        with self._refusal_lock:
+            self._refused.pop(model_id, None)
+            self._logged.pop(model_id, None)
+
     def _load(self, live: LiveModel) -> AdmissionContext:
         if not live.model_dir:
             raise TokenizerLoadError(f"the workers of {live.model_id!r} name no model directory")
-        tokenizer = load_tokenizer(Path(live.model_dir), self.tokenizer_copies)
+        missing = self._files_missing(live)
+        if missing is not None:
+            raise missing
+        fix = f"every router host needs the same files at {live.model_dir} as its workers"
+        tokenizer = load_tokenizer(Path(live.model_dir), self.tokenizer_copies, fix)
         mine = canary(tokenizer.hf, live.model_id, self.hasher)
         if live.canary and live.canary != mine:
             raise CanaryMismatch(
@@ -137,6 +326,15 @@ class ModelCatalog:
             "serving model %r too (a live worker loaded it from %s)", live.model_id, live.model_dir
         )
         return replace(self.primary, model_id=live.model_id, tokenizer=tokenizer)
+
+
+def unservable_error(model: str, error: LoadError) -> APIError:
+    """The answer to a request for a live model this router cannot serve: 503
+    `model_files_missing` without a retry (its message says what to copy where) when its files
+    are not on this host, else 503 `no_live_worker` with the reason."""
+    if isinstance(error, ModelFilesMissing):
+        return APIError.of(ErrorKind.MODEL_FILES_MISSING, str(error), headers=NO_RETRY)
+    return APIError.of(ErrorKind.NO_LIVE_WORKER, f"The pool cannot serve {quoted(model)}: {error}")
 
 
 def unknown_model_message(model: str, served: list[str]) -> str:

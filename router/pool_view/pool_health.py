@@ -20,6 +20,8 @@ async def pool_health(state: RouterState) -> tuple[bool, dict[str, Any]]:
         "model": state.model_id,
         "workers_alive": len(live),
         "queue_depth": depths[0],
+        # Live models this router refuses (their files are not on its host), with the reason.
+        "router_errors": state.catalog.refusals(),
         "workers": [
             {"worker_id": w.worker_id, "queue_depth": depth, **w.info, **_cache_mode(w.settings)}
             for w, depth in zip(live, depths[1:], strict=True)

@@ -21,7 +21,7 @@ from router.admission.embedding_admit import admit_embedding
 from router.admission.tokenization import TokenizerLoadError
 from router.edge.embedding_types import EmbeddingBody
 from router.edge.errors import APIError
-from router.pool_view.model_catalog import unknown_model_message
+from router.pool_view.model_catalog import unknown_model_message, unservable_error
 from router.state import RouterState
 from shared import keys
 from shared.canary_check import CanaryMismatch
@@ -55,9 +55,7 @@ def submit_embeddings(body: EmbeddingBody, state: RouterState) -> EmbeddingReque
     try:
         ctx = catalog.get(model.model_id)
     except (TokenizerLoadError, CanaryMismatch) as exc:  # its workers', not the caller's
-        raise APIError.of(
-            ErrorKind.NO_LIVE_WORKER, f"The pool cannot serve '{model.model_id}': {exc}"
-        ) from exc
+        raise unservable_error(model.model_id, exc) from exc
     if ctx is None:  # its last worker went between the two looks
         raise APIError.of(ErrorKind.NO_LIVE_WORKER, f"No live worker serves '{model.model_id}'.")
     req = admit_embedding(body, ctx, model.dimensions)

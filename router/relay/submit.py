@@ -13,7 +13,7 @@ from router.admission.tokenization import TokenizerLoadError
 from router.edge.busy_gate import busy_error
 from router.edge.openai_types import ChatCompletionRequest
 from router.placement.place_call import Placement
-from router.pool_view.model_catalog import unknown_model_message
+from router.pool_view.model_catalog import unknown_model_message, unservable_error
 from router.relay.logprobs import token_table
 from router.relay.routed import RoutedRequest
 from router.relay.tool_output import tool_streams
@@ -39,7 +39,7 @@ async def admit_and_submit(
         try:
             ctx = state.catalog.get(model)
         except (TokenizerLoadError, CanaryMismatch) as exc:  # its workers', not the caller's
-            return Admission(Outcome.NO_WORKER, message=f"The pool cannot serve '{model}': {exc}")
+            raise unservable_error(model, exc) from exc
         if ctx is None:
             message = unknown_model_message(model, state.catalog.served())
             return Admission(Outcome.UNKNOWN_MODEL, param="model", message=message)

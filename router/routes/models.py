@@ -1,5 +1,7 @@
 """GET /v1/models and /v1/models/{id}: the router's own model, and every other one a live
-worker serves (router/pool_view/model_catalog.py)."""
+worker serves that this router can serve too (router/pool_view/model_catalog.py). A live model
+this router refuses (its files are not on this host) is not listed, as vLLM lists only what it
+serves; asked for by id it is the same 503 its requests get, not a 404."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from fastapi import APIRouter
 
 from router.admission.admit import quoted
 from router.edge.errors import APIError
+from router.pool_view.model_catalog import unservable_error
 from router.routes.probe import get_and_head
 from router.state import RouterState, StateDep
 from shared.errors import ErrorKind
@@ -22,7 +25,7 @@ def _model_object(model_id: str, created: int) -> dict[str, Any]:
 
 
 def _served(state: RouterState) -> list[dict[str, Any]]:
-    live = state.catalog.live()
+    live = state.catalog.listed()
     out = [_model_object(state.model_id, state.model_created)]
     for model_id in sorted(m for m in live if m != state.model_id):
         out.append(_model_object(model_id, live[model_id].created))
@@ -39,5 +42,8 @@ async def get_model(model_id: str, state: StateDep) -> dict[str, Any]:
     for model in await anyio.to_thread.run_sync(_served, state):
         if model["id"] == model_id:
             return model
+    refused = state.catalog.refusal(model_id)
+    if refused is not None:
+        raise unservable_error(model_id, refused)
     message = f"The model {quoted(model_id)} does not exist."
     raise APIError.of(ErrorKind.UNKNOWN_MODEL, message, param="model")

@@ -28,7 +28,7 @@ from router.edge.tokenize_types import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from router.pool_view.model_catalog import unknown_model_message
+from router.pool_view.model_catalog import unknown_model_message, unservable_error
 from router.state import RouterState, StateDep
 from shared.canary_check import CanaryMismatch
 from shared.errors import ErrorKind
@@ -42,8 +42,7 @@ def _context(state: RouterState, model: str | None) -> AdmissionContext:
     try:
         ctx = state.catalog.get(model)
     except (TokenizerLoadError, CanaryMismatch) as exc:  # its workers' fault, not the caller's
-        message = f"The pool cannot serve '{model}': {exc}"
-        raise APIError.of(ErrorKind.NO_LIVE_WORKER, message) from exc
+        raise unservable_error(model, exc) from exc
     if ctx is None:
         message = unknown_model_message(model, state.catalog.served())
         raise APIError.of(ErrorKind.UNKNOWN_MODEL, message, "model")
