@@ -39,6 +39,9 @@ COUNTER_FIELDS: tuple[str, ...] = (
     "checkpoint_inserts",
     "requests",
     "prompt_tokens",
+    # Of those, the tokens whose KV came from the prompt cache (blocks, snapshots, checkpoints),
+    # counted with them: once per prompt however many choices share it.
+    "prompt_tokens_cached",
     "completion_tokens",
     "batch_prefill_tokens",
     "batch_decode_tokens",
@@ -67,6 +70,10 @@ GAUGE_FIELDS: tuple[str, ...] = (
     "checkpoint_entries",
     "checkpoint_bytes",
     "batch_current_size",
+    # The KV a worker holds against its budget (kv_usage): its running batch's caches, and the
+    # byte budget of the store its mode fills (0: no prompt cache).
+    "batch_kv_bytes",
+    "kv_budget_bytes",
 )
 
 # Per-worker settings reported beside the gauges (not summed).
@@ -122,6 +129,14 @@ def _int(value: Any) -> int:
 NUMBER_FIELDS: tuple[str, ...] = COUNTER_FIELDS + GAUGE_FIELDS
 _N_COUNTERS = len(COUNTER_FIELDS)
 _DEAD_GAUGES: tuple[int, ...] = (0,) * len(GAUGE_FIELDS)
+_HELD_KV = tuple(NUMBER_FIELDS.index(f) for f in ("bytes", "snapshot_bytes", "batch_kv_bytes"))
+_KV_BUDGET = NUMBER_FIELDS.index("kv_budget_bytes")
+
+
+def kv_usage(held: int, budget: int) -> float:
+    """The fraction of a KV budget in use, 0..1 (vLLM's kv_cache_usage_perc; 1 = full): a
+    running batch that alone outgrows the budget reads 1, and no budget (no prompt cache) 0."""
+    return min(1.0, held / budget) if budget > 0 else 0.0
 
 
 @dataclass(slots=True)
@@ -135,6 +150,9 @@ class WorkerCacheSnapshot:
     settings: dict[str, str] = field(default_factory=dict)
     last_reject: dict[str, Any] | None = None
     info: dict[str, str] = field(default_factory=dict)
+    # Times a supervisor started this worker again after it exited (shared.keys
+    # supervisor_restarts; a counter, kept for dead workers too).
+    restarts: int = 0
 
     @classmethod
     def from_values(
@@ -145,6 +163,7 @@ class WorkerCacheSnapshot:
         settings: list[str],
         info: list[str],
         last_reject: list[str],
+        restarts: int = 0,
     ) -> WorkerCacheSnapshot:
         """From values read in the field lists' order (the router's Lua read): `numbers` in
         NUMBER_FIELDS' order, the strings with "" where a field is missing; `alive` while the
@@ -157,6 +176,7 @@ class WorkerCacheSnapshot:
             numbers=numbers,
             settings=dict(zip(SETTING_FIELDS, settings, strict=True)),
             info={f: v for f, v in zip(INFO_FIELDS, info, strict=True) if v},
+            restarts=restarts,
         )
         reason, seq_id, context_len, at_unix_ms = last_reject
         if reason:
@@ -167,6 +187,17 @@ class WorkerCacheSnapshot:
                 "at_unix_ms": _int(at_unix_ms),
             }
         return snap
+
+    @property
+    def kv_held_and_budget(self) -> tuple[int, int]:
+        """The KV bytes this worker holds and its budget, the terms of its kv_usage: what its
+        prompt cache holds (the main store, paged blocks counted once, or its snapshots and
+        checkpoints) plus its running batch's caches, over the byte budget of the store its mode
+        fills. (0, 0) for a dead worker: its memory is gone."""
+        if not self.alive:
+            return 0, 0
+        nums = self.numbers
+        return sum(nums[i] for i in _HELD_KV), nums[_KV_BUDGET]
 
     def stats(self) -> dict[str, Any]:
         """This worker's numbers in the spec's shape (a dead worker's gauges count as zero)."""

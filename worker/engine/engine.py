@@ -224,13 +224,15 @@ class Engine:
         """Start a request, or hold it for a group-mate computing their prompt."""
         self._sharing.launch(req, [*self._running.values(), *self._scorer], self, out)
 
-    def _begin(self, req: Request, out: StepResult) -> None:
-        """Counted and announced: its `start` event, with the prompt tokens it did not compute."""
+    def _begin(self, req: Request, out: StepResult, from_cache: int = 0) -> None:
+        """Counted and announced: its `start` event, with the prompt tokens it did not compute
+        (`from_cache` of them came from the prompt cache, not from a group-mate)."""
         prompt = req.spec.prompt_tokens
         spec = req.spec
         if not spec.group or spec.group == spec.request_id:  # n choices: the prompt counts once
             self.counters.requests += 1
             self.counters.prompt_tokens += len(prompt)
+            self.counters.prompt_tokens_cached += from_cache
         start = StreamEvent(
             kind="start",
             prompt_tokens=len(prompt),
@@ -253,7 +255,7 @@ class Engine:
             )
         if adopted is not None:
             req.cached_tokens, req.lease = adopted.cached_tokens, adopted.lease
-        self._begin(req, out)
+        self._begin(req, out, req.cached_tokens)
         cached = req.cached_tokens
         # Checkpoints are kept at the prefill's segment ends; a fast start has none.
         pc = self.prompt_cache
@@ -666,6 +668,9 @@ class Engine:
         if self.prompt_cache is not None:
             g.update(self.prompt_cache.gauges())
         g["batch_current_size"] = self.active
+        # The KV caches of the sequences BatchGenerator holds (waiting, prefilling, decoding):
+        # the running batch's part of the worker's KV usage (shared.cache_stats.kv_usage).
+        g["batch_kv_bytes"] = int(self.gen.prompt_cache_nbytes)
         return g
 
     def reset_cache(self) -> dict[str, Any]:

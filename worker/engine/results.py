@@ -20,6 +20,7 @@ class EngineCounters:
 
     requests: int = 0
     prompt_tokens: int = 0
+    prompt_tokens_cached: int = 0  # of prompt_tokens, those the prompt cache served
     completion_tokens: int = 0
     batch_prefill_tokens: int = 0
     batch_decode_tokens: int = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from worker.prompt_cache.entries import SNAPSHOT
 from worker.prompt_cache.store import PromptStore
 
 
@@ -23,6 +24,7 @@ def gauges_of(store: PromptStore, *, storage_mode: str, cacheability: str) -> di
         "snapshot_max_entries": cfg.snapshot_max_entries,
         "checkpoint_entries": checkpoints,
         "checkpoint_bytes": checkpoint_bytes,
+        "kv_budget_bytes": kv_budget_bytes(store),
         **_paged(store),
         # settings
         "enabled": "1" if store.enabled else "0",
@@ -35,6 +37,21 @@ def gauges_of(store: PromptStore, *, storage_mode: str, cacheability: str) -> di
         "checkpoint_tokens": cfg.checkpoint_tokens if storage_mode == "snapshot" else 0,
     }
     return out
+
+
+def kv_budget_bytes(store: PromptStore) -> int:
+    """The byte budget of the store this worker's mode fills, the denominator of its KV usage:
+    the main store's capacity (paged: the tighter of it and the block budget), the snapshot
+    shelf's in snapshot mode, 0 with the cache off."""
+    if not store.enabled:
+        return 0
+    cfg = store.config
+    if store.mode == SNAPSHOT:
+        return cfg.snapshot_capacity_bytes
+    pool = store.pool
+    if pool is not None and pool.block_nbytes:  # the block budget is known once a block is
+        return min(cfg.capacity_bytes, pool.budget * pool.block_nbytes)
+    return cfg.capacity_bytes
 
 
 def _paged(store: PromptStore) -> dict[str, int]:
