@@ -1,8 +1,9 @@
 """The pool's view of its workers, read in ONE Redis round trip.
 
 A Lua script (registered once in lifespan) walks the worker roster and returns, per member, its
-counters, gauges, last reject, settings and info. Keys reach the script only as the roster key and
-the templates from shared.keys.WORKER_KEY_TEMPLATES; nothing here formats a key.
+counters, gauges, last reject, settings, info and restart count. Keys reach the script only as the
+roster key, the restart counts' key and the templates from shared.keys.WORKER_KEY_TEMPLATES;
+nothing here formats a key.
 `/v1/cache/stats` merges the snapshots; `/health` reads liveness and info from the same call.
 """
 
@@ -26,15 +27,16 @@ from shared.cache_stats import (
 )
 from shared.liveness import min_alive_pttl_ms
 
-# Per member, from two HGETALLs (its counters hash and its info hash):
-# {wid, numbers, strings, alive}. `numbers` is ONE comma-joined string of the counters then the
-# gauges in the field lists' order (missing -> 0); `strings` is the last reject, the settings and
-# the info fields joined by the ASCII unit separator (missing -> empty); `alive` is 1 while the
-# worker's heartbeat is fresh (shared.liveness: its info hash's PTTL above ARGV[7]). Many
-# workers make the reply parse the cost: a few strings per worker parse faster than one bulk
-# reply per field. HGETALL, not HMGET: these hashes are small ziplists, which HMGET scans once
-# per field asked. Field lists go in as ARGV; keys only as the roster key and the shared.keys
-# templates.
+# Per member, from two HGETALLs (its counters hash and its info hash) and its field of the
+# supervisors' restart counts (KEYS[2], '0' when absent): {wid, numbers, strings, alive,
+# restarts}. `numbers` is ONE comma-joined string of the counters then the gauges in the field
+# lists' order (missing -> 0); `strings` is the last reject, the settings and the info fields
+# joined by the ASCII unit separator (missing -> empty); `alive` is 1 while the worker's
+# heartbeat is fresh (shared.liveness: its info hash's PTTL above ARGV[7]). Many workers make
+# the reply parse the cost: a few strings per worker parse faster than one bulk reply per
+# field. HGETALL, not HMGET: these hashes are small ziplists, which HMGET scans once per field
+# asked. Field lists go in as ARGV; keys only as the roster key, the restart counts' key and
+# the shared.keys templates.
 READ_POOL_LUA = """
 local function split(s)
   local t = {}
@@ -82,7 +84,8 @@ for _, wid in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   fill(info, gpos, nums, strs)
   local alive = 0
   if #info > 0 and redis.call('PTTL', info_key) > min_pttl then alive = 1 end
-  out[#out + 1] = {wid, table.concat(nums, ','), table.concat(strs, US), alive}
+  local restarts = redis.call('HGET', KEYS[2], wid) or '0'
+  out[#out + 1] = {wid, table.concat(nums, ','), table.concat(strs, US), alive, restarts}
 end
 return out
 """
@@ -115,9 +118,9 @@ def _int(value: bytes) -> int:
 
 async def read_pool(script: AsyncScript) -> list[WorkerCacheSnapshot]:
     """Every worker in the roster (dead ones too: their counters still count), by worker id."""
-    rows = await script(keys=[keys.workers_roster()], args=_ARGS)
+    rows = await script(keys=[keys.workers_roster(), keys.supervisor_restarts()], args=_ARGS)
     snapshots = []
-    for wid, numbers, strings, alive in rows:
+    for wid, numbers, strings, alive, restarts in rows:
         try:
             nums = list(map(int, numbers.split(b",")))
         except ValueError:  # a hand-edited, non-integer field
@@ -131,6 +134,7 @@ async def read_pool(script: AsyncScript) -> list[WorkerCacheSnapshot]:
                 strs[_N_REJECT:_SETTINGS_END],
                 strs[_SETTINGS_END:],
                 strs[:_N_REJECT],
+                _int(restarts),
             )
         )
     snapshots.sort(key=_by_worker_id)

@@ -3,10 +3,10 @@
 Workers on any host write their counters (deltas, HINCRBY: they never go backwards, and a dead
 worker's still count) and gauges into their Redis hashes each step; the router reads them all in
 one script (router.pool_view.cache_stats.read_pool) at scrape time and exposes them under the spec's
-names (../shared/spec/prompt-cache.md), summed over the pool. So one scrape of any router covers a
-multi-host pool, and no worker needs a port of its own. Every router serves the same pool-wide
-values: scrape one router per pool, or aggregate across routers with `max`, not `sum`.
-"""
+names (../shared/spec/prompt-cache.md), summed over the pool, and a few per worker, labelled
+`worker` (liveness, restarts, KV usage). So one scrape of any router covers a multi-host pool,
+and no worker needs a port of its own. Every router serves the same pool-wide values: scrape one
+router per pool, or aggregate across routers with `max`, not `sum`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from shared.cache_stats import COUNTER_FIELDS, GAUGE_FIELDS, WorkerCacheSnapshot
+from shared.cache_stats import COUNTER_FIELDS, GAUGE_FIELDS, WorkerCacheSnapshot, kv_usage
 from shared.reject import REJECT_REASONS
 
 _EVICTIONS = "Prompt-cache evictions."
@@ -56,6 +56,19 @@ COUNTERS: dict[str, tuple[str, str, tuple[str, str] | None]] = {
         for r in REJECT_REASONS
     },
 }  # fmt: skip
+# vLLM's prefix-cache pair, in prompt tokens (their ratio is the token hit rate): counter field
+# -> (metric name without _total, help). A prompt counts once however many choices share it.
+PREFIX_CACHE: dict[str, tuple[str, str]] = {
+    "prompt_tokens": (
+        "mlxcel_prefix_cache_queries",
+        "Prompt tokens looked up in the prompt cache (every prompt started, once per prompt).",
+    ),
+    "prompt_tokens_cached": (
+        "mlxcel_prefix_cache_hits",
+        "Prompt tokens served from the prompt cache (blocks, snapshots or checkpoints), of"
+        " mlxcel_prefix_cache_queries_total.",
+    ),
+}
 # Gauge field in the worker's info hash -> (metric name, help); summed over live workers.
 GAUGES: dict[str, tuple[str, str]] = {
     "bytes": ("mlxcel_prompt_cache_bytes", "Bytes the prompt caches of live workers hold."),
@@ -69,14 +82,32 @@ GAUGES: dict[str, tuple[str, str]] = {
         "mlxcel_prompt_cache_checkpoint_entries",
         "Prefill checkpoints in live workers' snapshot shelves.",
     ),
+    "batch_kv_bytes": (
+        "mlxcel_batch_kv_bytes",
+        "Bytes of KV cache the running batches of live workers hold.",
+    ),
 }
 WORKERS_ALIVE = "mlxcel_workers_alive"
+# The KV usage (shared.cache_stats.kv_usage), pool-wide and per live worker with a budget.
+KV_USAGE = "mlxcel_kv_cache_usage_perc"
+WORKER_KV_USAGE = "mlxcel_worker_kv_cache_usage_perc"
+_KV_USAGE_TERMS = (
+    "the KV bytes held (prompt cache, and the running batch's caches) over the prompt cache's"
+    " byte budget (MLXCEL_PROMPT_CACHE_CAPACITY_BYTES; snapshot mode:"
+    " MLXCEL_PROMPT_CACHE_SNAPSHOT_CAPACITY_BYTES), capped at 1"
+)
+# Per roster worker (dead ones too), labelled `worker`.
+WORKER_UP = "mlxcel_worker_up"
+WORKER_RESTARTS = "mlxcel_worker_restarts"  # _total
 # Every family name this module exposes (the Grafana dashboard test reads it).
 FAMILY_NAMES = frozenset(
-    {n for n, _, _ in COUNTERS.values()} | {n for n, _ in GAUGES.values()} | {WORKERS_ALIVE}
+    {n for n, _, _ in COUNTERS.values()}
+    | {n for n, _ in PREFIX_CACHE.values()}
+    | {n for n, _ in GAUGES.values()}
+    | {WORKERS_ALIVE, KV_USAGE, WORKER_KV_USAGE, WORKER_UP, WORKER_RESTARTS}
 )
 
-_COUNTER_INDEX = {f: COUNTER_FIELDS.index(f) for f in COUNTERS}
+_COUNTER_INDEX = {f: COUNTER_FIELDS.index(f) for f in (*COUNTERS, *PREFIX_CACHE)}
 _GAUGE_INDEX = {f: len(COUNTER_FIELDS) + GAUGE_FIELDS.index(f) for f in GAUGES}
 
 
@@ -91,13 +122,60 @@ def pool_families(workers: list[WorkerCacheSnapshot]) -> list[Metric]:
         total = sum(w.numbers[_COUNTER_INDEX[field]] for w in workers)
         fam.add_metric([label[1]] if label else [], total)
     out: list[Metric] = list(families.values())
+    for field, (name, doc) in PREFIX_CACHE.items():
+        total = sum(w.numbers[_COUNTER_INDEX[field]] for w in workers)
+        out.append(CounterMetricFamily(name, doc, value=total))
     live = [w for w in workers if w.alive]
     for field, (name, doc) in GAUGES.items():
         out.append(
             GaugeMetricFamily(name, doc, value=sum(w.numbers[_GAUGE_INDEX[field]] for w in live))
         )
     out.append(GaugeMetricFamily(WORKERS_ALIVE, "Workers with a fresh heartbeat.", value=len(live)))
+    out.extend(_kv_usage(live))
+    out.extend(_per_worker(workers))
     return out
+
+
+def _kv_usage(live: list[WorkerCacheSnapshot]) -> list[Metric]:
+    """Each live worker's KV usage, and the pool's: their budgets' weighted mean (each worker's
+    bytes capped at its budget, so one full worker reads as full, not as spare room elsewhere
+    used up). A worker with no budget (prompt cache off, embeddings) is in neither."""
+    terms = [(w.worker_id, *w.kv_held_and_budget) for w in live]
+    terms = [(wid, min(held, budget), budget) for wid, held, budget in terms if budget > 0]
+    pool = GaugeMetricFamily(
+        KV_USAGE,
+        f"KV-cache usage of the pool's live workers, 0..1 (1 = full): {_KV_USAGE_TERMS}, summed"
+        " over the workers.",
+        value=kv_usage(sum(t[1] for t in terms), sum(t[2] for t in terms)),
+    )
+    each = GaugeMetricFamily(
+        WORKER_KV_USAGE,
+        f"KV-cache usage of a live worker, 0..1: {_KV_USAGE_TERMS}.",
+        labels=["worker"],
+    )
+    for wid, held, budget in terms:
+        each.add_metric([wid], kv_usage(held, budget))
+    return [pool, each]
+
+
+def _per_worker(workers: list[WorkerCacheSnapshot]) -> list[Metric]:
+    """Every roster worker's liveness and restart count, labelled by worker id: a worker killed
+    and restarted between two scrapes leaves mlxcel_workers_alive as it was; its restart count
+    and, scraped in the gap, its up series show it."""
+    up = GaugeMetricFamily(
+        WORKER_UP,
+        "1 while the worker's heartbeat is fresh, else 0 (every worker registered).",
+        labels=["worker"],
+    )
+    restarts = CounterMetricFamily(
+        WORKER_RESTARTS,
+        "Times a supervisor started the worker again after it exited.",
+        labels=["worker"],
+    )
+    for w in workers:
+        up.add_metric([w.worker_id], 1 if w.alive else 0)
+        restarts.add_metric([w.worker_id], w.restarts)
+    return [up, restarts]
 
 
 class PoolCollector(Collector):
