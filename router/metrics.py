@@ -43,6 +43,10 @@ REQUEST_DECODE_TOK_S = Histogram(
     "Per-request decode speed after the first token, in tokens per second.",
     buckets=(1, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000),
 )
+# The spec's two names with abbreviated units (promtool's lint names them), which
+# MLXCEL_METRICS_LEGACY_UNITS=false leaves out of /metrics: their equivalents in seconds are
+# mlxcel_time_to_first_token_seconds and mlxcel_request_inter_token_latency_seconds.
+LEGACY_UNIT_NAMES = frozenset({"mlxcel_request_ttft_ms", "mlxcel_request_decode_tok_s"})
 
 # vLLM's latency histograms, in seconds, by model (vLLM's bucket edges, from 1 ms to minutes).
 _LATENCY_BUCKETS = (
@@ -184,24 +188,29 @@ def clean_multiproc_dir(path: Path | str) -> None:
         f.unlink(missing_ok=True)
 
 
-def scrape(path: Path | str, extra: Collector | None = None) -> bytes:
+def scrape(path: Path | str, extra: Collector | None = None, *, legacy_units: bool = True) -> bytes:
     """The exposition text for `/metrics`: all router processes' files in multiprocess mode
     (else this process's registry: one that imported prometheus_client before the dir was set),
-    plus `extra` (the pool's worker series)."""
+    plus `extra` (the pool's worker series); without `legacy_units`, less LEGACY_UNIT_NAMES."""
     registry = CollectorRegistry()
+    source: Collector = REGISTRY
     if multiprocess_active():
         mark_dead_processes(path)
-        multiprocess.MultiProcessCollector(registry, path=str(path))
-    else:
-        registry.register(_Forward(REGISTRY))
+        source = multiprocess.MultiProcessCollector(None, path=str(path))
+    registry.register(_Forward(source, frozenset() if legacy_units else LEGACY_UNIT_NAMES))
     if extra is not None:
         registry.register(extra)
     return generate_latest(registry)
 
 
 class _Forward(Collector):
-    def __init__(self, source: CollectorRegistry) -> None:
+    """Another collector's families, less the ones named in `drop`."""
+
+    def __init__(self, source: Collector, drop: frozenset[str]) -> None:
         self.source = source
+        self.drop = drop
 
     def collect(self) -> Iterator[Metric]:
-        yield from self.source.collect()
+        for family in self.source.collect():
+            if family.name not in self.drop:
+                yield family

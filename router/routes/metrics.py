@@ -26,10 +26,12 @@ router = APIRouter()
 QUEUE_DEPTH = "mlxcel_queue_depth"
 
 
-def _scrape(path: Path, workers: list[WorkerCacheSnapshot], pool: PoolCollector) -> bytes:
+def _scrape(
+    path: Path, workers: list[WorkerCacheSnapshot], pool: PoolCollector, legacy_units: bool
+) -> bytes:
     # Every worker in the roster has its per-worker series in this scrape, at 0 until routed to.
     init_worker_series(w.worker_id for w in workers)
-    return scrape(path, pool)
+    return scrape(path, pool, legacy_units=legacy_units)
 
 
 @get_and_head(router, "/metrics")
@@ -42,6 +44,10 @@ async def metrics(state: StateDep) -> Response:
     )
     # Creating series and reading the per-process files is file I/O: off the event loop.
     body = await anyio.to_thread.run_sync(
-        _scrape, state.settings.multiproc_dir, workers, PoolCollector(families)
+        _scrape,
+        state.settings.multiproc_dir,
+        workers,
+        PoolCollector(families),
+        state.settings.metrics.legacy_units,
     )
     return Response(body, media_type=CONTENT_TYPE_LATEST)
