@@ -135,6 +135,12 @@ def test_every_dashboard_series_exists_at_zero_before_any_request(
     )
     (alive,) = [s.value for s in families["mlxcel_workers_alive"].samples]
     assert alive == 1.0
+    # Per worker from its registration: up, no restart yet, its KV usage (a cache, no request).
+    assert labelled("mlxcel_worker_up", "worker") == dict.fromkeys(roster, 1.0)
+    assert labelled("mlxcel_worker_restarts_total", "worker") == dict.fromkeys(roster, 0.0)
+    assert labelled("mlxcel_worker_kv_cache_usage_perc", "worker") == dict.fromkeys(roster, 0.0)
+    for name in ("mlxcel_prefix_cache_queries_total", "mlxcel_prefix_cache_hits_total"):
+        assert [s.value for s in families[name.removesuffix("_total")].samples] == [0.0], name
 
 
 def _samples(pool: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
