@@ -278,7 +278,8 @@ def test_reset_and_gauges(model: llama.Model) -> None:
     seq = toks(96)
     pc.donate_finished_sequence_cache(NS, "", "s1", seq, prefill(model, seq)[0])
     g = pc.gauges()
-    assert set(g) == (set(GAUGE_FIELDS) - {"batch_current_size"}) | set(SETTING_FIELDS)
+    engine_owned = {"batch_current_size", "batch_kv_bytes"}
+    assert set(g) == (set(GAUGE_FIELDS) - engine_owned) | set(SETTING_FIELDS)
     assert g["enabled"] == "1" and g["storage_mode"] == "paged" and g["cacheability"] == "trimmable"
     assert g["total_blocks_stored"] == 6 and g["apc_active_entries"] == 1
     r = pc.reset()

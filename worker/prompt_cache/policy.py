@@ -182,5 +182,5 @@ class PromptCache:
 
     def gauges(self) -> dict[str, int | str]:
         """Current state, limits and settings (shared.cache_stats GAUGE_FIELDS + SETTING_FIELDS,
-        less batch_current_size, which the scheduler owns)."""
+        less batch_current_size and batch_kv_bytes, which the engine owns)."""
         return gauges_of(self.store, storage_mode=self.storage_mode, cacheability=self.cacheability)
