@@ -34,7 +34,6 @@ from devmodel.paths import (
     WEIGHTS_FILE,
     built_model_dir,
     is_built,
-    model_dir_name,
 )
 
 Progress = Callable[[str], None]
@@ -327,15 +326,32 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--size", choices=sorted(MODEL_SIZES), default="tiny")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--out", type=Path, default=None, help="output dir (default: ./models/mlxcel-SIZE-sSEED)"
+        "--out",
+        type=Path,
+        default=None,
+        help="output dir (default: <cache_dir>/models/mlxcel-SIZE-sSEED, where `mlxcel-pool up`, "
+        "`router` and `worker` look for the built-in model; the cache dir is MLXCEL_CACHE_DIR)",
     )
     return parser.parse_args(argv)
 
 
+def _default_out(size: str, seed: int) -> Path:
+    """The cache dir's path for this model (the built-in one: where every part looks for it)."""
+    from shared.config import load_settings
+
+    return built_model_dir(load_settings().cache_dir, size, seed)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``mlxcel-pool build-model``: progress on stderr, final path on stdout."""
+    from shared.config import EXIT_CONFIG, ConfigError
+
     args = _parse_args(argv)
-    out = args.out or Path("models") / model_dir_name(args.size, args.seed)
+    try:
+        out = args.out or _default_out(args.size, args.seed)
+    except ConfigError as exc:
+        print(f"mlxcel-pool build-model: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     start = time.perf_counter()
 
     def progress(message: str) -> None:

@@ -1,11 +1,12 @@
-"""Start, supervise and stop a whole pool on one machine: embedded Redis, one router, N workers.
+"""Start, supervise and stop the pool's processes on one machine: embedded Redis (unless the pool
+has one elsewhere), a router (unless this host only adds workers), N workers.
 
 Used by `mlxcel-pool up` and by the end-to-end test fixtures. Each child is `python -m mlxcel_pool
 <part>` in its own process group (so a signal reaches uvicorn's subprocesses too), with its output
 in a rotated log file (and, under `up`, on the terminal, prefixed with its name).
-`Pool.supervise` restarts a child that exits (mlxcel_pool/restarts.py decides when); only `up`
-and tests that ask for it run it. This module never imports mlx: the model is built in a
-subprocess.
+`Pool.supervise` restarts a child that exits (mlxcel_pool/restarts.py decides when) and counts
+each worker's restart in Redis (`keys.supervisor_restarts`); only `up` and tests that ask for it
+run it. This module never imports mlx: the model is built in a subprocess.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,15 +29,18 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Protocol
 
+import redis
 from pydantic import SecretStr
 
-from devmodel.paths import is_built
 from mlxcel_pool.child_output import ChildOutput
+from mlxcel_pool.model_setup import ModelBuildError, ensure_model
 from mlxcel_pool.redis_server import EmbeddedRedis, RedisServerError, free_port, start_redis
 from mlxcel_pool.restarts import RestartLedger, RestartPolicy
-from shared.config import ENV_VARS, EXIT_CONFIG, TRACE_ENV, ConfigError, Settings
-from shared.model_facts import configured_model_dir
+from mlxcel_pool.worker_ids import EMBEDDED_PREFIX, worker_ids
+from shared import keys
+from shared.config import ENV_VARS, EXIT_CONFIG, TRACE_ENV, Settings
 from shared.redis_auth import embedded_password
+from shared.redis_clients import sync_client
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ROUTER = "router"
@@ -43,10 +48,19 @@ DASHBOARD = "dashboard"
 REDIS = "redis"  # the embedded redis-server's name in supervision messages and `Pool.pid`
 LOG_TAIL_LINES = 30
 SUPERVISE_POLL_S = 0.2
+# The restart counter's write is one short-lived connection bounded by this: a Redis that does
+# not answer costs supervision no more than that, and the restart is logged as not counted.
+RESTART_COUNT_TIMEOUT_S = 2.0
+# A log line's `2026-01-01 12:00:00,000 ERROR mlxcel.worker: ` (the worker's logging format).
+_LOG_HEAD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [A-Z]+ [\w.]+: ")
 
 
 class PoolError(RuntimeError):
     """A child failed to start, died, or the pool did not become healthy in time."""
+
+
+class PoolConfigError(PoolError):
+    """A child exited with EXIT_CONFIG: the message is its one line saying what is wrong."""
 
 
 @dataclass
@@ -57,6 +71,12 @@ class _Child:
     args: list[str]  # after `python -m mlxcel_pool`, kept so a restart starts the same child
     env: dict[str, str] = field(default_factory=dict)  # this child's own additions
     expected: bool = True  # False once we stopped it on purpose
+    output: threading.Thread | None = None  # copies its output; ends when the pipe closes
+    starts: int = 1  # this one included
+
+    @property
+    def is_worker(self) -> bool:
+        return self.args[:1] == ["worker"]
 
 
 class StopFlag(Protocol):
@@ -94,25 +114,11 @@ def settings_env(settings: Settings) -> dict[str, str]:
     return env
 
 
-def ensure_model(
-    settings: Settings, env: dict[str, str] | None = None, output: IO[Any] | None = None
-) -> Path:
-    """The model path the workers get: the configured one, else the default model, built in a
-    subprocess when missing (its progress goes to `output`, default stderr)."""
-    path = configured_model_dir(settings.model.path, settings.cache_dir).resolve()
-    if settings.model.path:
-        if not path.exists():
-            raise ConfigError(f"model path {path} does not exist (model.path / MLXCEL_MODEL)")
-        return path
-    if is_built(path):
-        return path
-    out = output if output is not None else sys.stderr
-    print(f"mlxcel-pool: building the default model into {path}", file=out, flush=True)
-    argv = [sys.executable, "-m", "mlxcel_pool", "build-model", "--out", str(path)]
-    rc = subprocess.run(argv, env=env, stdout=out, stderr=out, check=False).returncode
-    if rc != 0 or not is_built(path):
-        raise PoolError(f"building the default model failed (exit {rc}): {' '.join(argv)}")
-    return path
+def _model(settings: Settings, env: dict[str, str], output: IO[Any] | None) -> Path:
+    try:
+        return ensure_model(settings, env, output)
+    except ModelBuildError as exc:
+        raise PoolError(str(exc)) from exc
 
 
 def clean_multiproc_dir(path: Path) -> None:
@@ -137,7 +143,9 @@ def _killpg(pid: int, sig: int) -> None:
 
 
 class Pool:
-    """One router and `workers` workers (ids w1..wN) against one Redis.
+    """One router (`router=False`: none, this host adds workers to a pool whose routers run
+    elsewhere) and `workers` workers (ids `<worker_prefix>1..N`, default w1..wN) against one
+    Redis.
 
     `settings.redis.url` empty: an embedded redis-server is started, on loopback, with the
     password kept in `<cache_dir>/redis.password`; `redis_url`, its ACL user `mlxcel` without the
@@ -158,9 +166,13 @@ class Pool:
         restart_policy: RestartPolicy | None = None,
         echo: IO[str] | None = None,
         dashboard_port: int | None = None,
+        worker_prefix: str = EMBEDDED_PREFIX,
+        router: bool = True,
     ) -> None:
         self.settings = settings
         self.workers = workers
+        self.worker_ids = worker_ids(worker_prefix, workers)
+        self.router = router
         self.extra_env = dict(extra_env or {})
         self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="mlxcel-logs-"))
         self.grace_s = grace_s
@@ -198,22 +210,24 @@ class Pool:
             self._env = self._child_env()
             if self.model_path is None:
                 with open(self.log_dir / "build-model.log", "a") as log:
-                    self.model_path = ensure_model(self.settings, self._env, log)
+                    self.model_path = _model(self.settings, self._env, log)
             self._env["MLXCEL_MODEL"] = str(self.model_path)
-            self._spawn(
-                ROUTER,
-                [
+            if self.router:
+                self._spawn(
                     ROUTER,
-                    "--host",
-                    self.settings.router.host,
-                    "--port",
-                    str(self.port),
-                    "--processes",
-                    str(self.settings.router.processes),
-                ],
-            )
-            for i in range(1, self.workers + 1):
-                self.start_worker(f"w{i}")
+                    [
+                        ROUTER,
+                        "--host",
+                        self.settings.router.host,
+                        "--port",
+                        str(self.port),
+                        "--processes",
+                        str(self.settings.router.processes),
+                        "--supervised",
+                    ],
+                )
+            for worker_id in self.worker_ids:
+                self.start_worker(worker_id)
             if self.dashboard_port is not None:
                 self._spawn(DASHBOARD, [DASHBOARD, "--port", str(self.dashboard_port)])
         except BaseException:
@@ -223,7 +237,7 @@ class Pool:
 
     def prepare_model(self, output: IO[Any] | None = None) -> Path:
         """Resolve (and build if needed) the model before `start`, showing progress on `output`."""
-        self.model_path = ensure_model(self.settings, self._child_env(), output)
+        self.model_path = _model(self.settings, self._child_env(), output)
         return self.model_path
 
     def stop(self) -> None:
@@ -273,7 +287,14 @@ class Pool:
             raise PoolError(f"worker {worker_id} is already running")
         self._spawn(
             worker_id,
-            ["worker", "--worker-id", worker_id, "--model", str(model or self.model_path)],
+            [
+                "worker",
+                "--worker-id",
+                worker_id,
+                "--model",
+                str(model or self.model_path),
+                "--supervised",
+            ],
             env,
         )
 
@@ -311,22 +332,23 @@ class Pool:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Restart every child (and the embedded Redis) that exits unless we stopped it, after
-        the policy's backoff, until `stop` is set. A crash loop raises PoolError naming the
-        child; the caller then stops the pool. A worker's clean exit after SIGTERM (a drain) is
-        restarted too, which makes `kill -TERM <worker>` a rolling restart."""
+        the policy's backoff, until `stop` is set; each worker's restart is counted in Redis.
+        A crash loop raises PoolError naming the child; the caller then stops the pool. A
+        worker's clean exit after SIGTERM (a drain) is restarted too, which makes `kill -TERM
+        <worker>` a rolling restart.
+
+        A child that exits with EXIT_CONFIG is never restarted: a restart would only say again
+        what in its settings or files it cannot use. At its first start that stops the pool
+        (PoolConfigError, its line); started again after it served (its id taken meanwhile by
+        another host's worker, a broken upgrade), it is left down while the rest serves on."""
         ledger = RestartLedger(self.restart_policy)
         due: dict[str, float] = {}  # child -> when to start it again
         while not stop.wait(poll_s):
             now = clock()
             for name, rc in self._exited(skip=due):
                 if rc == EXIT_CONFIG and name != REDIS:
-                    # It said what in its settings or files it cannot use: a restart would only
-                    # say it again, five times, before the crash loop stops the pool anyway.
-                    headline = (
-                        f"{name} exited with code {EXIT_CONFIG} (a configuration error, see its "
-                        "last lines): not restarting it; stopping the pool"
-                    )
-                    raise PoolError(self._report(headline, [name]))
+                    self._config_exit(name, log)
+                    continue
                 decision = ledger.decide(name, now)
                 if not decision.restart:
                     raise PoolError(self._report(decision.message(describe_exit(rc)), [name]))
@@ -334,7 +356,41 @@ class Pool:
                 due[name] = now + decision.delay_s
             for name in [n for n, at in due.items() if at <= now]:
                 del due[name]
-                self._restart(name, log)
+                if self._restart(name, log):
+                    self._count_restart(name, log)
+
+    def _config_exit(self, name: str, log: Callable[[str], None]) -> None:
+        """A child that exited with EXIT_CONFIG: left down, or the pool stopped (see supervise)."""
+        child = self._children[name]
+        child.expected = False
+        why = self.last_line(name)
+        others = [c for c in self._children.values() if c.expected and c.process.poll() is None]
+        if child.starts > 1 and others:
+            log(
+                f"{name} exited with code {EXIT_CONFIG} when started again: {why}; not "
+                f"restarting it, the rest of this host's pool serves on"
+            )
+            return
+        raise PoolConfigError(
+            f"{name} exited with code {EXIT_CONFIG} (a configuration error): {why}; not "
+            f"restarting it, stopping the pool (its log: {self.log_path(name)})"
+        )
+
+    def _count_restart(self, name: str, log: Callable[[str], None]) -> None:
+        """HINCRBY the pool's restart counter for worker `name`, on a connection of its own; a
+        failed write is logged, and supervision goes on."""
+        child = self._children.get(name)
+        if child is None or not child.is_worker:
+            return
+        update = {"url": self.redis_url, "stall_timeout_s": RESTART_COUNT_TIMEOUT_S}
+        try:
+            client = sync_client(self.settings.redis.model_copy(update=update))
+            try:
+                client.hincrby(keys.supervisor_restarts(), name, 1)
+            finally:
+                client.close()
+        except (redis.RedisError, OSError, ValueError) as exc:
+            log(f"{name}'s restart is not counted in Redis: {exc}")
 
     def _exited(self, skip: dict[str, float]) -> list[tuple[str, int]]:
         """Children that exited on their own and are not already waiting in `skip`, with their
@@ -354,23 +410,26 @@ class Pool:
                     out.append((REDIS, rc))
         return out
 
-    def _restart(self, name: str, log: Callable[[str], None]) -> None:
+    def _restart(self, name: str, log: Callable[[str], None]) -> bool:
+        """Start `name` again; False when it was not (stopping, stopped on purpose, ...)."""
         with self._lock:
             if self._stopping:
-                return
+                return False
             if name == REDIS:
                 if self._redis is None:
-                    return
+                    return False
                 try:
                     self._redis = self._redis.restarted()
                 except RedisServerError as exc:
                     # The dead server stays in place, so the next poll counts this as one more exit.
                     log(f"{REDIS} did not restart: {exc}")
-                return
+                    return False
+                return True
             child = self._children.get(name)
             if child is None or not child.expected or child.process.poll() is None:
-                return  # stopped on purpose (or already started again) while it waited
-            self._spawn(name, child.args, child.env)
+                return False  # stopped on purpose (or already started again) while it waited
+            self._spawn(name, child.args, child.env, starts=child.starts + 1)
+            return True
 
     # --- health ----------------------------------------------------------------------------
 
@@ -400,13 +459,47 @@ class Pool:
         deadline = time.monotonic() + timeout
         status: int | None = None
         while time.monotonic() < deadline:
-            if failed := self.failures():
-                raise PoolError(self._report("; ".join(failed)))
+            self._raise_on_failures()
             status = self.health_status()
             if status == 200:
                 return
             time.sleep(0.25)
         raise PoolError(self._report(f"not healthy after {timeout}s (last /health: {status})"))
+
+    def wait_registered(self, timeout: float = 120.0) -> None:
+        """Wait until each of this pool's workers has registered in Redis (its liveness hash
+        names its process): a pool without a router of its own is ready then."""
+        deadline = time.monotonic() + timeout
+        client = sync_client(self.settings.redis.model_copy(update={"url": self.redis_url}))
+        waiting: list[str] = list(self.worker_ids)
+        try:
+            while time.monotonic() < deadline:
+                self._raise_on_failures()
+                with contextlib.suppress(redis.RedisError):  # a blip: asked again next round
+                    waiting = [w for w in self.worker_ids if not self._registered(client, w)]
+                if not waiting:
+                    return
+                time.sleep(0.25)
+        finally:
+            client.close()
+        raise PoolError(self._report(f"not registered after {timeout}s: {', '.join(waiting)}"))
+
+    def _registered(self, client: redis.Redis, worker_id: str) -> bool:
+        pid = client.hget(keys.worker_info(worker_id), "pid")
+        return pid is not None and int(pid) == self.pid(worker_id)
+
+    def _raise_on_failures(self) -> None:
+        """Before the pool is ready, any child's exit stops it: EXIT_CONFIG with that child's
+        one line (PoolConfigError), anything else with the exits and their log tails."""
+        for child in self._children.values():
+            if child.expected and child.process.poll() == EXIT_CONFIG:
+                child.expected = False
+                raise PoolConfigError(
+                    f"{child.name} exited with code {EXIT_CONFIG} (a configuration error): "
+                    f"{self.last_line(child.name)} (its log: {self.log_path(child.name)})"
+                )
+        if failed := self.failures():
+            raise PoolError(self._report("; ".join(failed)))
 
     # --- logs ------------------------------------------------------------------------------
 
@@ -418,6 +511,16 @@ class Pool:
             return self.log_path(name).read_text(errors="replace")
         except FileNotFoundError:
             return ""
+
+    def last_line(self, name: str) -> str:
+        """The last line the child's latest run wrote (its timestamp and logger name dropped),
+        once its output has been copied to the end."""
+        child = self._children.get(name)
+        if child is not None and child.output is not None:
+            child.output.join(5.0)
+        run = self.logs(name).rsplit(f"--- mlxcel-pool: starting {name}:", 1)[-1]
+        lines = [ln.strip() for ln in run.splitlines()[1:] if ln.strip()]
+        return _LOG_HEAD.sub("", lines[-1]) if lines else "(it wrote nothing)"
 
     def _report(self, headline: str, names: list[str] | None = None) -> str:
         """`headline`, then the last lines of each child's log (of `names` only, when given)."""
@@ -441,7 +544,9 @@ class Pool:
         env["PYTHONUNBUFFERED"] = "1"  # log files show progress as it happens
         return env
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
+    def _spawn(
+        self, name: str, args: list[str], env: dict[str, str] | None = None, starts: int = 1
+    ) -> None:
         argv = [sys.executable, "-m", "mlxcel_pool", *args]
         path = self.log_path(name)
         colour = self._colours.setdefault(name, len(self._colours))
@@ -457,5 +562,7 @@ class Pool:
             start_new_session=True,
         )
         assert process.stdout is not None
-        output.follow(process.stdout)
-        self._children[name] = _Child(name, process, path, args, dict(env or {}))
+        thread = output.follow(process.stdout)
+        self._children[name] = _Child(
+            name, process, path, args, dict(env or {}), output=thread, starts=starts
+        )
