@@ -91,10 +91,15 @@ WORKERS_ALIVE = "mlxcel_workers_alive"
 # The KV usage (shared.cache_stats.kv_usage), pool-wide and per live worker with a budget.
 KV_USAGE = "mlxcel_kv_cache_usage_perc"
 WORKER_KV_USAGE = "mlxcel_worker_kv_cache_usage_perc"
-_KV_USAGE_TERMS = (
-    "the KV bytes held (prompt cache, and the running batch's caches) over the prompt cache's"
-    " byte budget (MLXCEL_PROMPT_CACHE_CAPACITY_BYTES; snapshot mode:"
-    " MLXCEL_PROMPT_CACHE_SNAPSHOT_CAPACITY_BYTES), capped at 1"
+_WORKER_KV_USAGE_HELP = (
+    "KV-cache usage of a live worker, 0..1 (1 = full): the KV bytes it holds (its prompt cache's,"
+    " plus its running batch's caches) over its prompt cache's byte budget"
+    " (MLXCEL_PROMPT_CACHE_CAPACITY_BYTES, paged: at most the block budget; snapshot mode:"
+    " MLXCEL_PROMPT_CACHE_SNAPSHOT_CAPACITY_BYTES), capped at 1."
+)
+_KV_USAGE_HELP = (
+    "KV-cache usage of the pool, 0..1 (1 = full): its live workers' KV bytes, each capped at its"
+    f" budget, over their budgets summed (a worker's terms as in {WORKER_KV_USAGE})."
 )
 # Per roster worker (dead ones too), labelled `worker`.
 WORKER_UP = "mlxcel_worker_up"
@@ -143,16 +148,9 @@ def _kv_usage(live: list[WorkerCacheSnapshot]) -> list[Metric]:
     terms = [(w.worker_id, *w.kv_held_and_budget) for w in live]
     terms = [(wid, min(held, budget), budget) for wid, held, budget in terms if budget > 0]
     pool = GaugeMetricFamily(
-        KV_USAGE,
-        f"KV-cache usage of the pool's live workers, 0..1 (1 = full): {_KV_USAGE_TERMS}, summed"
-        " over the workers.",
-        value=kv_usage(sum(t[1] for t in terms), sum(t[2] for t in terms)),
+        KV_USAGE, _KV_USAGE_HELP, value=kv_usage(sum(t[1] for t in terms), sum(t[2] for t in terms))
     )
-    each = GaugeMetricFamily(
-        WORKER_KV_USAGE,
-        f"KV-cache usage of a live worker, 0..1: {_KV_USAGE_TERMS}.",
-        labels=["worker"],
-    )
+    each = GaugeMetricFamily(WORKER_KV_USAGE, _WORKER_KV_USAGE_HELP, labels=["worker"])
     for wid, held, budget in terms:
         each.add_metric([wid], kv_usage(held, budget))
     return [pool, each]
@@ -164,7 +162,7 @@ def _per_worker(workers: list[WorkerCacheSnapshot]) -> list[Metric]:
     and, scraped in the gap, its up series show it."""
     up = GaugeMetricFamily(
         WORKER_UP,
-        "1 while the worker's heartbeat is fresh, else 0 (every worker registered).",
+        "1 while the worker's heartbeat is fresh, else 0 (every worker that has registered).",
         labels=["worker"],
     )
     restarts = CounterMetricFamily(
