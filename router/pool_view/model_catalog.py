@@ -117,6 +117,8 @@ class ModelCatalog:
         self._lock = threading.Lock()
         self._live: dict[str, LiveModel] = {}
         self._live_at = float("-inf")
+        # The latest look at the roster, the watch's or a request's: which refusals still hold.
+        self._seen: dict[str, LiveModel] = {}
         # Models refused, by id, and what was last logged of each (logged again when it changes).
         self._refused: dict[str, _Refusal] = {}
         self._logged: dict[str, str] = {}
@@ -178,12 +180,12 @@ class ModelCatalog:
         """Why this router refuses a live model, else None, as of the last look at the roster
         (in memory: no Redis, no disk)."""
         refusal = self._refused.get(model_id)
-        return refusal.error if refusal is not None and model_id in self._live else None
+        return refusal.error if refusal is not None and model_id in self._seen else None
 
     def refusals(self) -> dict[str, str]:
         """Each refused live model's message, by id, as of the last look at the roster (what
         /health shows as `router_errors`; in memory: no Redis, no disk)."""
-        live = self._live
+        live = self._seen
         with self._refusal_lock:  # request threads and the watch change it
             refused = sorted(self._refused.items())
         return {m: str(r.error) for m, r in refused if m in live}
@@ -193,6 +195,11 @@ class ModelCatalog:
         now = time.monotonic()
         if now - self._live_at < LIVE_CACHE_S:
             return self._live
+        live = self._read_live()
+        self._live, self._live_at = live, now
+        return live
+
+    def _read_live(self) -> dict[str, LiveModel]:
         first: dict[str, dict[str, str]] = {}
         workers: dict[str, list[tuple[str, str]]] = {}
         fields = ("model", "model_dir", "canary", "task", "embedding_dimensions", "host")
@@ -215,7 +222,7 @@ class ModelCatalog:
                 int(dims) if dims.isdigit() else 0,
                 tuple(workers[mid]),
             )
-        self._live, self._live_at = live, now
+        self._seen = live
         return live
 
     async def start(self) -> None:
@@ -232,7 +239,9 @@ class ModelCatalog:
     async def _watch(self) -> None:
         while True:
             try:
-                await anyio.to_thread.run_sync(self.listed)
+                # Its own read, not the requests' LIVE_CACHE_S cache: a request after a quiet
+                # spell reads the roster itself, as it would without the watch.
+                await anyio.to_thread.run_sync(lambda: self._screen(self._read_live()))
             except redis.RedisError as exc:  # requests report an unreachable Redis themselves
                 log.debug("model catalog: roster unreadable (%s); looking again later", exc)
             except Exception:  # a bug here must not end the watch for the process's life
