@@ -109,17 +109,19 @@ def test_prefix_cache_tokens_count_once_per_prompt(shared_pool: Any) -> None:
     def delta(after: Samples, name: str) -> float:
         return after[(name, ())] - before[(name, ())]
 
-    # Workers publish their counters once a step: wait for both requests' to land.
-    after = wait_for(
-        lambda: (s := scrape(shared_pool.url)) and delta(s, "mlxcel_requests_total") >= 2 and s,
-        10,
-        "the counters of two requests",
-    )
+    def landed() -> Samples | None:
+        s = scrape(shared_pool.url)
+        done = delta(s, "mlxcel_requests_total") >= 2
+        return s if done and s[("mlxcel_kv_cache_usage_perc", ())] > 0 else None
+
+    # Counters go out with each step, gauges with the loop's once-a-second beat: wait for both
+    # requests' counters and for a beat since the cache took their KV.
+    after = wait_for(landed, 10, "the counters of two requests and the cache's bytes")
     assert delta(after, "mlxcel_requests_total") == 2
     assert delta(after, "mlxcel_prefix_cache_queries_total") == 2 * len(prompt)
     assert delta(after, "mlxcel_prompt_tokens_total") == 2 * len(prompt)
     assert delta(after, "mlxcel_prefix_cache_hits_total") == cached
-    assert 0 < after[("mlxcel_kv_cache_usage_perc", ())] <= 1
+    assert after[("mlxcel_kv_cache_usage_perc", ())] <= 1
     assert set(by_worker(after, "mlxcel_worker_kv_cache_usage_perc")) == {"w1"}
     assert by_worker(after, "mlxcel_worker_up") == {"w1": 1}
     assert set(by_worker(after, "mlxcel_worker_restarts_total")) == {"w1"}
