@@ -158,8 +158,8 @@ def _kv_usage(live: list[WorkerCacheSnapshot]) -> list[Metric]:
 
 def _per_worker(workers: list[WorkerCacheSnapshot]) -> list[Metric]:
     """Every roster worker's liveness and restart count, labelled by worker id: a worker killed
-    and restarted between two scrapes leaves mlxcel_workers_alive as it was; its restart count
-    and, scraped in the gap, its up series show it."""
+    and restarted between two scrapes leaves mlxcel_workers_alive as it was (and its up series
+    too, unless its heartbeat lapsed in between, shared.liveness); its restart count shows it."""
     up = GaugeMetricFamily(
         WORKER_UP,
         "1 while the worker's heartbeat is fresh, else 0 (every worker that has registered).",
