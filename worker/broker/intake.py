@@ -94,14 +94,17 @@ class PoolJob(Job):
         return super().restore(raw_data)
 
 
-# One stream's events of a step and its TTL, in one atomic write: a stream is never created (a
-# router may have deleted or cut it after the request ended) without a TTL, and never written
-# once the request's cancel flag is up (its router has moved on: a worker that was found dead
-# and goes on, for the step before it notices, writes nothing for nobody).
-# KEYS: the stream, the request's cancel flag; ARGV: its TTL, the event field, the packed events.
+# One stream's events of a step and its TTL, in one atomic write: a stream is never created
+# without a TTL; it is created only by the events that start it (`seq` 0 among them), so a late
+# write after its router deleted it (the request ended, or the pool failed it and moved on) never
+# brings it back; and it is never written once the request's cancel flag is up (its router has
+# moved on: a worker that was found dead and goes on, for the step before it notices, writes
+# nothing for nobody). KEYS: the stream, the request's cancel flag; ARGV: its TTL, the event
+# field, 1 when these events start the stream (else 0), the packed events.
 _APPEND_SCRIPT = """
 if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
-for i = 3, #ARGV do
+if ARGV[3] ~= '1' and redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+for i = 4, #ARGV do
   redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[i])
 end
 redis.call('EXPIRE', KEYS[1], ARGV[1])
@@ -109,12 +112,18 @@ return 1
 """
 
 
-def append_events(pipe: Any, request_id: str, packed: list[bytes]) -> None:
+def append_events(
+    pipe: Any, request_id: str, packed: list[bytes], starts_stream: bool = True
+) -> None:
     """XADD each packed event to the request's stream and set its TTL (keys.REQUEST_TTL_S),
-    atomically, unless its cancel flag is up."""
+    atomically, unless its cancel flag is up; `starts_stream` False (the worker wrote to it
+    before): only while the stream still exists."""
     if packed:
         stream, cancel = keys.request_stream(request_id), keys.request_cancel(request_id)
-        pipe.eval(_APPEND_SCRIPT, 2, stream, cancel, keys.REQUEST_TTL_S, STREAM_FIELD, *packed)
+        first = "1" if starts_stream else "0"
+        pipe.eval(
+            _APPEND_SCRIPT, 2, stream, cancel, keys.REQUEST_TTL_S, STREAM_FIELD, first, *packed
+        )
 
 
 def own_queues(connection: redis.Redis, worker_id: str, model_id: str) -> list[Queue]:
@@ -138,6 +147,19 @@ class RqIntake:
     @property
     def queue_keys(self) -> list[str]:
         return [q.key for q in self.queues]
+
+    def still_started(self, taken: list[TakenJob]) -> list[bool]:
+        """For each job, whether rq still records it as started, in one round trip: one that is
+        not was ended by the pool meanwhile (a peer's reaper failed it, Redis lost it), and
+        this worker must leave its records and stream alone."""
+        if not taken:
+            return []
+        with self.connection.pipeline(transaction=False) as pipe:
+            for job in taken:
+                pipe.hget(job.job.key, "status")
+            statuses = pipe.execute()
+        started = JobStatus.STARTED.value.encode()
+        return [status == started for status in statuses]
 
     def clean_registries(self) -> None:
         """rq's own registry maintenance for this worker's queues (its workers run it every few

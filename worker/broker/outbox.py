@@ -41,6 +41,13 @@ class Outbox:
         reads, self._reads = self._reads, None
         return reads
 
+    def answered(self) -> None:
+        """The worker registered again: what the reads held so far said of its standing (a
+        reaped claim, a lost block index) was read before that, and is answered; their cancels,
+        commands and queue depth still wait for `take_reads`."""
+        if self._reads is not None:
+            self._reads.reaped = self._reads.index_lost = False
+
     def after(self, task: Callable[[], None]) -> Future[None]:
         """Run a Redis chore on the publisher thread, after what is queued there."""
         return self._executor.submit(task)

@@ -1,13 +1,14 @@
 """The worker's one Redis round trip per step.
 
 Each step's pipeline carries: every request's new stream events (one script per stream: its XADDs
-and its TTL in one atomic write, so no stream ever exists without a TTL, even one a router
-deleted or cut after the request ended; one EXPIRE per stream per step, not per token), the rq
-bookkeeping of
-jobs that ended (as `JobEnd` data), the drained counter deltas (HINCRBY on a hash that never
-expires, so counts never go backwards or vanish with the worker), the last reject, rq's busy
-state, liveness and gauges (at most once a second, through `presence`), and the reads the loop
-needs: cancel flags of running requests, control commands, and how many jobs are queued.
+and its TTL in one atomic write, so no stream ever exists without a TTL, and one a router deleted
+is never created again by a later step's events; one EXPIRE per stream per step, not per token),
+the rq bookkeeping of jobs that ended (as `JobEnd` data), the drained counter deltas (HINCRBY on
+a hash that never expires, so counts never go backwards or vanish with the worker), the last
+reject, rq's busy state, liveness and gauges (at most once a second, through `presence`), and
+the reads the loop needs: cancel flags of running requests, control commands, how many jobs are
+queued, and whether a peer has found this worker dead (read with the cancel flags, so the loop
+never acts on what this publish read without knowing it).
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ class StepWrites:
     """Everything one step sends, as data (the publisher thread owns no other state)."""
 
     streams: list[tuple[TakenJob, list[bytes]]] = field(default_factory=list)  # packed events
+    # Jobs whose events continue a stream this worker started in an earlier step: written only
+    # while that stream exists (a router's delete is final).
+    ongoing: set[str] = field(default_factory=set)
     ended: list[JobEnd] = field(default_factory=list)
     counters: dict[str, int] = field(default_factory=dict)
     last_reject: dict[str, Any] | None = None
@@ -51,7 +55,10 @@ class PublishResult:
     cancelled: list[str] = field(default_factory=list)
     commands: list[ControlCommand] = field(default_factory=list)
     queued: int = 0
-    index_lost: bool = False  # the block set was gone (Redis restart, flush): write it whole
+    # The block set was gone: Redis lost it (restart, flush), a peer's reaper deleted it, or it
+    # lapsed; the loop reads the worker's standing to tell which.
+    index_lost: bool = False
+    reaped: bool = False  # a peer's reaper has found this worker dead (its claim is there)
 
     def merge(self, later: PublishResult) -> PublishResult:
         """Two publishes' reads as one (nothing read may be lost); `queued` is the later one."""
@@ -60,6 +67,7 @@ class PublishResult:
             [*self.commands, *later.commands],
             later.queued,
             self.index_lost or later.index_lost,
+            self.reaped or later.reaped,
         )
 
 
@@ -70,6 +78,7 @@ class Publisher:
         self.intake = intake
         self._k_counters = keys.worker_cache_counters(presence.worker_id)
         self._k_control = keys.worker_control(presence.worker_id)
+        self._k_reaped = keys.worker_reaped(presence.worker_id)
 
     def publish(self, writes: StepWrites) -> PublishResult:
         """Send one step's writes and reads in a single pipeline."""
@@ -82,7 +91,7 @@ class Publisher:
                 pipe.expire(blocks, keys.LIVENESS_TTL_S)
             _write_index(pipe, blocks, writes)
             for taken, packed in writes.streams:
-                append_events(pipe, taken.id, packed)
+                append_events(pipe, taken.id, packed, taken.id not in writes.ongoing)
             for end in writes.ended:
                 self.intake.end(pipe, end)
             # A zero delta changes nothing: a step sends the counters that moved (about 3 of
@@ -102,6 +111,7 @@ class Publisher:
             if writes.liveness is not None:
                 self.presence.beat(pipe, writes.liveness.gauges, writes.liveness.running)
             n_writes = len(pipe)
+            pipe.exists(self._k_reaped)
             if writes.watched:
                 pipe.mget([keys.request_cancel(rid) for rid in writes.watched])
             pipe.lpop(self._k_control, 16)
@@ -139,7 +149,8 @@ def _write_index(pipe: Any, blocks: str, writes: StepWrites) -> None:
 
 
 def _parse_reads(replies: list[Any], watched: list[str]) -> PublishResult:
-    res = PublishResult()
+    res = PublishResult(reaped=bool(replies[0]))
+    replies = replies[1:]
     i = 0
     if watched:
         res.cancelled = [rid for rid, flag in zip(watched, replies[0], strict=True) if flag]
