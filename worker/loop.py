@@ -9,8 +9,13 @@ token goes out in this step's publish.
 
 Each iteration tells the presence's heartbeat thread that the loop progresses (its age, reported
 as `loop_age_s`; past `worker.stuck_after_s` the thread stops beating). A worker that a peer
-reaped meanwhile (it was stopped, or stuck past the threshold) drops what it runs without a
-word to rq or the streams (the reaper and the routers ended those requests) and registers again.
+reaped meanwhile (its link was cut, it was stopped, or stuck past the threshold) learns it from
+a beat or from the publish that read its cancel flags, whichever comes first; it then drops
+exactly the requests the pool ended (rq no longer has them started) without a word to rq or
+their streams (the reaper and the routers ended them), keeps those started after the verdict,
+says in one line what happened, and registers again. A registration found incomplete for any
+other reason (Redis restarted or was flushed, a lapse, rq's record retired) is read the same
+way (`Standing`) and redone, so `rq info` lists the worker again.
 """
 
 from __future__ import annotations
@@ -34,8 +39,9 @@ from worker.broker.peer_queues import PeerQueues
 from worker.broker.presence import WorkerPresence
 from worker.broker.publisher import Liveness, Publisher, PublishResult, StepWrites
 from worker.broker.reaper import REAP_INTERVAL_S, Reaper
+from worker.broker.standing import Standing
 from worker.engine.engine import Engine
-from worker.engine.request import RequestStatus
+from worker.engine.request import Request, RequestStatus
 from worker.engine.results import StepResult
 
 log = logging.getLogger("mlxcel.worker")
@@ -75,7 +81,7 @@ class WorkerLoop:
     _next_maintenance: float = 0.0
     _next_reap: float = 0.0
     _maintenance: Future[None] | None = None
-    _index_full_due: bool = False  # the last publish found the block index gone
+    _index_full_due: str = ""  # why the next publish writes the block index whole ("": no)
     _fault_stall_file: str = field(default_factory=lambda: os.environ.get(FAULT_LOOP_STALL_ENV, ""))
 
     def install_signal_handlers(self) -> None:
@@ -103,13 +109,15 @@ class WorkerLoop:
         self.presence.progress()
         if self._fault_stall_file:
             self._fault_stall()
-        carried = self._rejoin() if self.presence.reaped() else None
+        carried = self._check_standing(StepResult()) if self.presence.needs_check() else None
         out = self.engine.step()
         if carried is not None:
             out.merge(carried)
         writes = StepWrites()
         reads = self.outbox.take_reads()  # the publish that overlapped the step
         if reads is not None:
+            if reads.reaped or reads.index_lost:  # before anything this publish read is acted on
+                out = self._check_standing(out, reads.index_lost)
             out.merge(self._act_on(reads))
         admitted = False
         if self._stop_requests == 0:
@@ -189,14 +197,25 @@ class WorkerLoop:
     def _act_on(self, reads: PublishResult) -> StepResult:
         """Drop cancelled requests and run control commands, as the last publish read them."""
         self._queued = reads.queued
-        self._index_full_due = self._index_full_due or reads.index_lost
-        out = StepResult()
-        for rid in reads.cancelled:
-            out.merge(self.engine.cancel(rid))
+        out = self._cancel(reads.cancelled)
         for cmd in reads.commands:
             self._handle_command(cmd)
         if reads.commands:  # a reset empties the cache: its blocks leave the index now
             out.merge(self.engine.drain())
+        return out
+
+    def _cancel(self, request_ids: list[str]) -> StepResult:
+        """Drop requests whose cancel flag is up. One the pool already ended (a peer's reaper
+        failed it while this worker was cut off) is dropped without a word to rq: its end is
+        the reaper's, and rq keeps saying why."""
+        found = [req for rid in request_ids if (req := self.engine.find(rid)) is not None]
+        out = StepResult()
+        if not found:
+            return out
+        started = self.intake.still_started([req.ticket for req in found])
+        for req, ours in zip(found, started, strict=True):
+            dropped = self.engine.cancel(req.id)
+            out.merge(dropped if ours else _without(dropped, {req}))
         return out
 
     def _handle_command(self, cmd: ControlCommand) -> None:
@@ -214,12 +233,9 @@ class WorkerLoop:
         _fill(writes, out, self.presence.worker_id)
         writes.index = out.index
         if self._index_full_due:
-            self._index_full_due = False
+            why, self._index_full_due = self._index_full_due, ""
             writes.index_full = self.engine.held_blocks()
-            log.info(
-                "block index lost (Redis restart or flush): writing its %d block(s) again",
-                len(writes.index_full),
-            )
+            log.info("block index %s: writing its %d block(s)", why, len(writes.index_full))
         running = self.engine.running
         writes.busy = bool(running)
         writes.watched = [req.id for req in running]
@@ -249,29 +265,52 @@ class WorkerLoop:
         gauges = {**self.static_gauges, **self.engine.gauges()}
         return gauges
 
-    # -- a false death, fault injection ----------------------------------------------------
+    # -- a false death, a registration lost; fault injection --------------------------------
 
-    def _rejoin(self) -> StepResult:
-        """A peer reaped this worker (it was stopped, or its loop stuck past the threshold, for
-        longer than peers wait): its running jobs are failed in rq and the routers have moved on
-        and set their cancel flags. Drop them all without a write (their ends are the reaper's,
-        their streams the routers'), then register again. Only their counters go out."""
-        self.outbox.settle()
-        running = self.engine.running
+    def _check_standing(self, pending: StepResult, index_lost: bool = False) -> StepResult:
+        """A beat or a publish saw the worker reaped, its registration incomplete or its block
+        index gone: read what Redis shows, and register again unless all is whole. `pending`
+        (this step's results, not sent yet) comes back less what belongs to requests dropped."""
+        self.outbox.settle()  # what is in flight lands first; its reads wait for take_reads
+        standing = self.presence.standing()
+        if not standing.whole:
+            return self._rejoin(standing, pending)
+        self.presence.checked()  # a beat that saw arrive half-written, or nothing at all
+        if index_lost:  # the set lapsed or was deleted, while the worker stayed registered
+            self._index_full_due = "was gone (it lapsed or was deleted)"
+        return pending
+
+    def _rejoin(self, standing: Standing, pending: StepResult) -> StepResult:
+        """The worker's registration is not whole (see Standing): a peer reaped it (its link was
+        cut, or it was stopped or stuck, longer than peers wait), or Redis lost its keys, or
+        they lapsed. The requests rq no longer has started were ended by the pool (the reaper
+        failed them in rq and the routers moved on and set their cancel flags): they are dropped
+        without a write, their events of this step too. Requests still started (the link came
+        back before the verdict, or a job was taken after it) run on. Then register again."""
+        tracked = {req for req in self.engine.running if isinstance(req.ticket, TakenJob)}
+        tracked.update(r for r in pending.events if isinstance(r.ticket, TakenJob))
+        tracked.update(e.request for e in pending.ended if isinstance(e.request.ticket, TakenJob))
+        candidates = list(tracked)
+        started = self.intake.still_started([req.ticket for req in candidates])
+        gone = {req for req, ours in zip(candidates, started, strict=True) if not ours}
         dropped = StepResult()
-        for req in running:
-            dropped.merge(self.engine.cancel(req.id))
+        for req in gone:
+            dropped.merge(self.engine.cancel(req.id))  # no-op for one that ended this step
         log.warning(
-            "worker %s was found dead by a peer (it was stopped or stuck): dropped its "
-            "%d running request(s), registering again",
+            "worker %s: %s, and %s: dropped %d request(s) the pool had failed, kept %d it had "
+            "not; registering again",
             self.presence.worker_id,
-            len(running),
+            self.presence.take_silence().describe(),
+            standing.what_happened(),
+            len(gone),
+            len(self.engine.running),
         )
         self.presence.arrive(self._gauges())
-        self._index_full_due = True  # arrive wrote an empty block set: fill it
-        return StepResult(
-            counters=dropped.counters, index=dropped.index, last_reject=dropped.last_reject
-        )
+        self.outbox.answered()
+        self._index_full_due = _index_reason(standing)
+        kept = _without(pending, gone)
+        kept.merge(_without(dropped, gone))
+        return kept
 
     def _fault_stall(self) -> None:
         """The FAULT_LOOP_STALL_ENV hook (tests only): one long pass, on request."""
@@ -288,40 +327,51 @@ class WorkerLoop:
     # -- Redis lost, stop ------------------------------------------------------------------
 
     def _reconnect(self, exc: Exception) -> None:
-        """Redis went away (restart, network): drop what runs (its streams and jobs may be gone
-        with Redis), wait for Redis with backoff, register again and go on serving. The model
-        and the prompt cache stay loaded; a step's counter deltas may be lost."""
+        """Redis did not answer (a restart, a lost link, a failover): drop what runs (its last
+        publish may or may not have landed, so its streams cannot go on), wait for Redis with
+        backoff, read what happened meanwhile, register again and go on serving. The model and
+        the prompt cache stay loaded; a step's counter deltas may be lost."""
         log.warning(
             "lost Redis (%s): dropping %d running request(s), reconnecting", exc, self.engine.active
         )
         self.outbox.abandon()
         dropped = self.engine.fail_all("the worker lost Redis mid-request", REDIS_UNAVAILABLE)
         delay = RECONNECT_MIN_S
+        standing: Standing | None = None
         while self._stop_requests == 0:
             self.presence.progress()  # waiting for Redis is progress: the loop is not stuck
             try:
+                # Read before arrive deletes the reaped claim; kept if arrive fails half-way.
+                standing = standing or self.presence.standing()
                 self.presence.arrive(self._gauges())
             except redis.RedisError as again:
                 log.info("Redis still unreachable (%s); retrying in %.1fs", again, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, RECONNECT_MAX_S)
                 continue
-            log.info("reconnected to Redis; serving again")
-            self._index_full_due = True  # arrive wrote an empty block set: fill it
-            self._fail_orphans(dropped)
+            self._index_full_due = _index_reason(standing)
+            by_pool, by_us = self._fail_orphans(dropped)
+            log.warning(
+                "worker %s reconnected to Redis: %s, and %s: dropped %d request(s) the pool had "
+                "failed or Redis lost, failed %d it could no longer finish; registered again",
+                self.presence.worker_id,
+                self.presence.take_silence().describe(),
+                standing.what_happened(),
+                by_pool,
+                by_us,
+            )
             return
 
-    def _fail_orphans(self, dropped: StepResult) -> None:
-        """Jobs that survived in Redis (a persistent Redis kept them) are failed, so their
-        clients get an error and rq shows the truth; jobs Redis lost are left alone."""
+    def _fail_orphans(self, dropped: StepResult) -> tuple[int, int]:
+        """Jobs rq still has started (a link that came back before any verdict, a persistent
+        Redis that kept them) are failed, so their clients get an error and rq shows the truth;
+        jobs the pool ended meanwhile (a peer's reaper) or Redis lost are left alone. Returns
+        (left alone, failed here)."""
         try:
-            with self.publisher.r.pipeline(transaction=False) as pipe:
-                for ended in dropped.ended:
-                    pipe.exists(ended.request.ticket.job.key)
-                alive = pipe.execute()
+            started = self.intake.still_started([e.request.ticket for e in dropped.ended])
             kept = StepResult(counters=dropped.counters)
-            for ended, exists in zip(dropped.ended, alive, strict=True):
-                if exists:
+            for ended, ours in zip(dropped.ended, started, strict=True):
+                if ours:
                     kept.events[ended.request] = dropped.events.get(ended.request, [])
                     kept.ended.append(ended)
             writes = StepWrites()
@@ -329,6 +379,8 @@ class WorkerLoop:
             self.publisher.publish(writes)
         except redis.RedisError:
             log.warning("could not fail the requests dropped with Redis", exc_info=True)
+            return 0, 0
+        return len(dropped.ended) - len(kept.ended), len(kept.ended)
 
     def shutdown(self) -> None:
         try:
@@ -351,6 +403,8 @@ def _fill(writes: StepWrites, out: StepResult, worker_id: str) -> None:
     """The engine's result as the publisher's data: packed events per job, and job ends."""
     for req, events in out.events.items():
         writes.streams.append((req.ticket, [e.to_wire() for e in events]))
+        if events and events[0].seq > 0:  # its stream was started by an earlier step's events
+            writes.ongoing.add(req.ticket.id)
     for ended in out.ended:
         req = ended.request
         outcome = _OUTCOME[req.status]
@@ -361,3 +415,23 @@ def _fill(writes: StepWrites, out: StepResult, worker_id: str) -> None:
     writes.counters.update(out.counters)
     if out.last_reject is not None:
         writes.last_reject = out.last_reject
+
+
+def _without(out: StepResult, requests: set[Request]) -> StepResult:
+    """`out` less the events and ends of `requests` (the pool ended them: nothing of theirs is
+    written); its counters, index changes and last reject stay."""
+    return StepResult(
+        events={req: evs for req, evs in out.events.items() if req not in requests},
+        ended=[e for e in out.ended if e.request not in requests],
+        counters=out.counters,
+        last_reject=out.last_reject,
+        prefill_pending=out.prefill_pending,
+        index=out.index,
+    )
+
+
+def _index_reason(standing: Standing) -> str:
+    """Why the block index is written whole after registering again, as the log says it."""
+    if standing.data_lost:
+        return f"lost (Redis restart or flush: {standing.what_happened()})"
+    return "rewritten with the new registration"

@@ -10,7 +10,14 @@ liveness hash, rq's worker record and the block index alive every HEARTBEAT_INTE
 the loop does, and reports the loop's progress (`loop_age_s`); the loop's own once-a-second
 beat (`beat`, in its step's pipeline) writes the gauges, rq's heartbeat and its running jobs'
 executions. The thread stops beating once the loop has not progressed for `stuck_after_s`, so a
-process stuck for good is found dead, and it tells the loop when a peer reaped it meanwhile.
+process stuck for good is found dead.
+
+Each beat also reads the worker's standing: whether a peer reaped it, and whether its
+registration is whole (liveness hash, rq's record alive and listed). When it is not, the thread
+tells the loop, which reads the whole `Standing` (`standing`: what happened, e.g. found dead by
+a peer, Redis restarted, a flush, a registration that lapsed) and registers again (`arrive`).
+The thread also keeps how long Redis went unheard (`take_silence`), so the loop can say how long
+the worker was cut off, and whether it was cut off at all or merely did not run.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from rq.worker import WorkerStatus
 from shared import keys
 from shared.liveness import DEAD_AFTER_S, STUCK_AFTER_S
 from shared.wire import MsgpackSerializer
+from worker.broker.standing import Silence, Standing, redis_run_id
 
 log = logging.getLogger("mlxcel.worker.presence")
 
@@ -40,17 +48,28 @@ EXECUTION_MARGIN_S = 2 * keys.LIVENESS_TTL_S
 EXECUTION_TTL_S = int(STUCK_AFTER_S) + EXECUTION_MARGIN_S  # at the default stuck threshold
 
 # The heartbeat thread's one round trip: the TTLs of a hash that exists (a deleted or flushed one
-# is the loop's to write again, never recreated here), the loop's age, and whether a peer reaped
-# this worker. KEYS: info, rq worker record, block set, reaped claim; ARGV: ttl, loop age.
+# is the loop's to write again, never recreated here), the loop's age, and the worker's standing:
+# 2 when a peer reaped it, 1 when its registration is not whole (its liveness hash gone; rq's
+# record gone, dead, not in rq's worker set, or only rq's heartbeat fields written again after
+# it lapsed, without its birth: `rq info` would not list it rightly), else 0.
+# KEYS: info, rq worker record, block set, reaped claim, rq's worker set; ARGV: ttl, loop age.
 _BEAT_SCRIPT = """
-if redis.call('EXISTS', KEYS[1]) == 1 then
+local whole = redis.call('EXISTS', KEYS[1]) == 1
+if whole then
   redis.call('HSET', KEYS[1], 'loop_age_s', ARGV[2])
   redis.call('EXPIRE', KEYS[1], ARGV[1])
   redis.call('EXPIRE', KEYS[2], ARGV[1])
   redis.call('EXPIRE', KEYS[3], ARGV[1])
 end
-return redis.call('EXISTS', KEYS[4])
+if redis.call('EXISTS', KEYS[4]) == 1 then return 2 end
+if not whole or redis.call('SISMEMBER', KEYS[5], KEYS[2]) == 0
+    or redis.call('HEXISTS', KEYS[2], 'birth') == 0
+    or redis.call('HEXISTS', KEYS[2], 'death') == 1 then
+  return 1
+end
+return 0
 """
+BEAT_WHOLE, BEAT_UNREGISTERED, BEAT_REAPED = 0, 1, 2
 
 
 class WorkerIdInUse(RuntimeError):
@@ -97,6 +116,7 @@ class WorkerPresence(RqWorkerRecord):
             "stuck_after_s": f"{stuck_after_s:g}",
         }
         self._k_info = keys.worker_info(worker_id)
+        self.redis_run_id = ""  # the server's run_id at the last arrive (a new one: restarted)
         self._busy = False
         self._next_beat = 0.0
         self.heartbeat_thread: Heartbeat | None = None
@@ -109,23 +129,51 @@ class WorkerPresence(RqWorkerRecord):
     # -- birth -----------------------------------------------------------------------------
 
     def arrive(self, gauges: dict[str, Any]) -> None:
-        """Claim the worker id, write the liveness hash, then rq's birth (IDLE)."""
+        """Claim the worker id, write the liveness hash, then rq's birth (IDLE), with the
+        worker's queues in rq's queue set: `rq info` lists the workers of those queues only,
+        and rq adds a queue there only at its first enqueue."""
         self._claim()
+        self.redis_run_id = redis_run_id(self.connection)
         with self.connection.pipeline(transaction=False) as pipe:
             pipe.delete(self._k_info, keys.worker_reaped(self.worker_id))
             self._write_liveness(pipe, gauges)
+            # Only here: a roster without this worker then means Redis lost its keys (`standing`).
+            pipe.sadd(keys.workers_roster(), self.worker_id)
             blocks = keys.worker_blocks(self.worker_id, self.epoch)
             pipe.sadd(blocks, keys.INDEX_MARKER)  # the cache's blocks follow with the next beat
             pipe.expire(blocks, keys.LIVENESS_TTL_S)
+            if self.queues:
+                pipe.sadd(Queue.redis_queues_keys, *(q.key for q in self.queues))
             pipe.execute()
         self._retire_stale_record()
         self.register_birth()
         if self.heartbeat_thread is not None:  # a new life: a verdict found before is spent
-            self.heartbeat_thread.reaped.clear()
-            self.heartbeat_thread.progress()
+            self.heartbeat_thread.arrived()
         self._busy = False
         self.set_state(WorkerStatus.IDLE)
         self._next_beat = time.monotonic() + keys.HEARTBEAT_INTERVAL_S
+
+    def standing(self) -> Standing:
+        """The worker's registration as Redis shows it now (read it before `arrive`, which
+        deletes the reaped claim)."""
+        with self.connection.pipeline(transaction=False) as pipe:
+            pipe.get(keys.worker_reaped(self.worker_id))
+            pipe.exists(self._k_info)
+            pipe.sismember(keys.workers_roster(), self.worker_id)
+            pipe.sismember(self.redis_workers_keys, self.key)
+            pipe.hmget(self.key, ["birth", "death"])
+            reaped, info, roster, listed, (birth, death) = pipe.execute()
+        run_id = redis_run_id(self.connection)
+        verdict = reaped.decode(errors="replace") if reaped is not None else ""
+        reaper, _, reason = verdict.partition(" ")
+        return Standing(
+            reaped_by=reaper if reaped is not None else "",
+            reaped_reason=reason or "no reason given",
+            server_changed=bool(self.redis_run_id and run_id and run_id != self.redis_run_id),
+            info=bool(info),
+            roster=bool(roster),
+            rq_listed=bool(listed) and birth is not None and death is None,
+        )
 
     def _claim(self) -> None:
         """Refuse to run beside a live worker with the same id (their counters would mix); a
@@ -184,7 +232,6 @@ class WorkerPresence(RqWorkerRecord):
         live = {**self.info, **_strs(gauges), "last_seen": f"{time.time():.3f}"}
         pipe.hset(self._k_info, mapping=live)
         pipe.expire(self._k_info, keys.LIVENESS_TTL_S)
-        pipe.sadd(keys.workers_roster(), self.worker_id)
 
     # -- death -----------------------------------------------------------------------------
 
@@ -209,9 +256,26 @@ class WorkerPresence(RqWorkerRecord):
             self.heartbeat_thread.progress()
 
     def reaped(self) -> bool:
-        """Whether a peer reaped this worker since the last `arrive` (a false death: a stopped
-        process, a loop stuck past stuck_after_s that then went on)."""
+        """Whether a beat found this worker reaped by a peer since the last `arrive` (a false
+        death: a stopped process, a lost link, a loop stuck past stuck_after_s that went on)."""
         return self.heartbeat_thread is not None and self.heartbeat_thread.reaped.is_set()
+
+    def needs_check(self) -> bool:
+        """Whether a beat found the worker reaped or its registration not whole since the last
+        `arrive` or `checked` (the loop then reads its `standing`)."""
+        return self.heartbeat_thread is not None and self.heartbeat_thread.doubt.is_set()
+
+    def checked(self) -> None:
+        """The loop read a whole standing: what the beat saw was a passing moment (a beat
+        that ran while `arrive` was writing)."""
+        if self.heartbeat_thread is not None:
+            self.heartbeat_thread.doubt.clear()
+
+    def take_silence(self) -> Silence:
+        """How long Redis went unheard since the last call (see `Silence`)."""
+        if self.heartbeat_thread is None:
+            return Silence(0.0, 0.0, 0, 0.0)
+        return self.heartbeat_thread.take_silence()
 
     def stop_heartbeat(self) -> None:
         if self.heartbeat_thread is not None:
@@ -234,6 +298,7 @@ class Heartbeat(threading.Thread):
         self.interval_s = interval_s
         self.clock = clock
         self.reaped = threading.Event()  # set when a beat found this worker reaped
+        self.doubt = threading.Event()  # set when a beat found it reaped or not whole
         self._loop_at = clock()
         self._stop_event = threading.Event()
         self._keys = [
@@ -241,13 +306,43 @@ class Heartbeat(threading.Thread):
             presence.key,  # rq's worker record (`rq info`)
             keys.worker_blocks(presence.worker_id, presence.epoch),
             keys.worker_reaped(presence.worker_id),
+            presence.redis_workers_keys,  # rq's set of live workers
         ]
         # Its own connection (taken from the pool at the first beat), so a publish or a blocking
         # dequeue on the loop's never delays a beat.
         self._conn: redis.Redis | None = None
+        # How long Redis went unheard, for `take_silence` (under the lock: two threads).
+        self._lock = threading.Lock()
+        self._landed_at = clock()  # when the last beat got Redis's reply
+        self._calling_since: float | None = None  # when the call still waiting began
+        self._unheard_s = 0.0
+        self._no_reply_s = 0.0
+        self._failed_calls = 0
+        self._stuck_s = 0.0
 
     def progress(self) -> None:
         self._loop_at = self.clock()
+
+    def arrived(self) -> None:
+        """The worker registered again: verdicts found before are spent."""
+        self.reaped.clear()
+        self.doubt.clear()
+        self.progress()
+
+    def take_silence(self) -> Silence:
+        """The longest stretches without Redis's word since the last call, and start over."""
+        now = self.clock()
+        with self._lock:
+            waiting = now - self._calling_since if self._calling_since is not None else 0.0
+            silence = Silence(
+                unheard_s=max(self._unheard_s, now - self._landed_at),
+                no_reply_s=max(self._no_reply_s, waiting),
+                failed_calls=self._failed_calls,
+                stuck_s=self._stuck_s,
+            )
+            self._unheard_s, self._no_reply_s, self._failed_calls = 0.0, 0.0, 0
+            self._stuck_s = 0.0
+        return silence
 
     def loop_age_s(self) -> float:
         return max(0.0, self.clock() - self._loop_at)
@@ -277,6 +372,8 @@ class Heartbeat(threading.Thread):
         age = self.loop_age_s()
         wid, stuck = self.presence.worker_id, self.presence.stuck_after_s
         if age >= stuck:
+            with self._lock:
+                self._stuck_s = max(self._stuck_s, age)
             if state != "stuck":
                 log.error(
                     "worker %s: its loop has not progressed for %.0fs (worker.stuck_after_s "
@@ -299,17 +396,37 @@ class Heartbeat(threading.Thread):
             state = "slow"
         elif age < DEAD_AFTER_S:
             state = "ok"
-        try:
-            reaped = script(keys=self._keys, args=[keys.LIVENESS_TTL_S, f"{age:.1f}"], client=conn)
-        except redis.RedisError as exc:  # the loop finds a lost Redis itself and reconnects
-            log.debug("heartbeat of %s failed: %s", wid, exc)
-            return state
-        except Exception:  # never let the thread die: a dead heartbeat is a false death
-            log.warning("heartbeat of %s failed", wid, exc_info=True)
-            return state
-        if reaped:
+        standing = self._call(conn, script, age)
+        if standing == BEAT_REAPED:
             self.reaped.set()
+        if standing in (BEAT_REAPED, BEAT_UNREGISTERED):
+            self.doubt.set()
         return state
+
+    def _call(self, conn: redis.Redis, script: Any, age: float) -> int | None:
+        """One beat's round trip, timed: its standing code, None when it failed."""
+        started = self.clock()
+        with self._lock:
+            self._calling_since = started
+        reply: int | None = None
+        try:
+            reply = int(
+                script(keys=self._keys, args=[keys.LIVENESS_TTL_S, f"{age:.1f}"], client=conn)
+            )
+        except redis.RedisError as exc:  # the loop finds a lost Redis itself and reconnects
+            log.debug("heartbeat of %s failed: %s", self.presence.worker_id, exc)
+        except Exception:  # never let the thread die: a dead heartbeat is a false death
+            log.warning("heartbeat of %s failed", self.presence.worker_id, exc_info=True)
+        now = self.clock()
+        with self._lock:
+            self._calling_since = None
+            self._no_reply_s = max(self._no_reply_s, now - started)
+            if reply is None:
+                self._failed_calls += 1
+            else:
+                self._unheard_s = max(self._unheard_s, now - self._landed_at)
+                self._landed_at = now
+        return reply
 
 
 def _pid_alive(pid: int) -> bool:
