@@ -91,7 +91,7 @@ def _classify(
         else:
             fix = "REDIS_URL's user or password is wrong"
         return RedisProblem(
-            f"Redis at {where} refused the login: {fix} (on the Redis host, `mlxcel-pool "
+            f"Redis at {shown} refused the login: {fix} (on the Redis host, `mlxcel-pool "
             "redis-url` prints the URL of `mlxcel-pool redis`, password included)",
             False,
         )

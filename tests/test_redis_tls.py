@@ -154,7 +154,7 @@ def test_wait_redis_accepts_a_tls_url_and_never_prints_its_password(tls_redis: T
 
     assert wait(tls_redis.url()).returncode == 0
     failed = wait(tls_redis.url(password="not-the-password"))
-    assert failed.returncode == 1
+    assert failed.returncode == 2
     assert "rediss://:***@127.0.0.1" in failed.stderr and "not-the-password" not in failed.stderr
 
 

@@ -2,12 +2,14 @@
 
 First the restart policy on an injected clock, then a real pool (embedded Redis, router, two
 workers) whose children are killed for real (SIGKILL, SIGTERM) while `Pool.supervise` runs on a
-thread, and which must serve a request once the child is back.
+thread, and which must serve a request once the child is back; each worker's restart is counted
+in the pool's Redis.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 import time
@@ -23,9 +25,9 @@ from rq.job import Job
 from rq.registry import StartedJobRegistry
 
 from mlxcel_pool.restarts import RestartLedger, RestartPolicy
-from mlxcel_pool.supervisor import REDIS, ROUTER, Pool, PoolError, describe_exit
+from mlxcel_pool.supervisor import REDIS, ROUTER, Pool, PoolConfigError, PoolError, describe_exit
 from shared import keys
-from shared.config import SupervisorConfig
+from shared.config import SupervisorConfig, load_settings
 from shared.redis_auth import embedded_password
 from tests.pool_fixture import running_pool, wait_for
 from tests.streams import SHARED_QUEUE
@@ -156,20 +158,26 @@ def _wait_back(pool: Pool, name: str, old_pid: int) -> int:
     return new
 
 
-def test_a_killed_worker_is_started_again_and_the_pool_serves(
+def _restarts(pool: Pool, worker_id: str) -> int:
+    raw = redis.Redis.from_url(pool.redis_url).hget(keys.supervisor_restarts(), worker_id)
+    return int(raw or 0)
+
+
+def test_a_killed_worker_is_started_again_counted_and_the_pool_serves(
     pool: Pool, supervised: list[str]
 ) -> None:
-    old = pool.pid("w1")
+    old, before = pool.pid("w1"), _restarts(pool, "w1")
     os.kill(old, signal.SIGKILL)
     _wait_back(pool, "w1", old)
     assert supervised[0].startswith("w1 exited with code -9 (signal SIGKILL); restarting in 0.1 s")
+    assert _restarts(pool, "w1") == before + 1
     assert _complete(pool)["usage"]["completion_tokens"] >= 1
 
 
 def test_a_sigterm_drains_the_worker_and_it_comes_back_losing_no_request(
     pool: Pool, supervised: list[str]
 ) -> None:
-    old = pool.pid("w2")
+    old, before = pool.pid("w2"), _restarts(pool, "w2")
     prompts = [f"Request number {i} says" for i in range(8)]
     with ThreadPoolExecutor(len(prompts)) as ex:
         running = [ex.submit(_complete, pool, p, 200) for p in prompts[:4]]
@@ -180,6 +188,7 @@ def test_a_sigterm_drains_the_worker_and_it_comes_back_losing_no_request(
     assert drained and all(r["usage"]["completion_tokens"] >= 1 for r in results)
     _wait_back(pool, "w2", old)
     assert supervised[0].startswith("w2 exited with code 0; restarting in 0.1 s")
+    assert _restarts(pool, "w2") == before + 1  # a drain's restart is one too
     assert "w2" in pool.logs("w2").split("--- mlxcel-pool: starting w2")[-1]  # its new log part
     _complete(pool)
 
@@ -210,6 +219,7 @@ def test_the_router_comes_back_on_the_same_port(pool: Pool, supervised: list[str
     os.kill(old, signal.SIGKILL)  # its uvicorn processes are left behind, holding the port
     _wait_back(pool, ROUTER, old)
     assert supervised[0].startswith("router exited with code -9 (signal SIGKILL); restarting")
+    assert _restarts(pool, ROUTER) == 0  # the counter is the workers'
     _complete(pool)
     # Nothing to rebuild: the new router reads the same index, and follows a holder.
     r = redis.Redis.from_url(pool.redis_url)
@@ -266,6 +276,58 @@ def test_a_configuration_error_stops_the_pool_without_restarts(pool: Pool) -> No
         pool.stop_worker("wconf")
     assert lines == []  # not restarted once
     message = str(error)
-    assert message.startswith("wconf exited with code 2 (a configuration error")
-    assert "worker.batch_size" in message  # the tail of its log says why
+    assert isinstance(error, PoolConfigError) and "\n" not in message
+    assert message.startswith(
+        "wconf exited with code 2 (a configuration error): mlxcel-pool worker: invalid "
+    )
+    assert "worker.batch_size: Input should be greater than or equal to 1" in message  # its line
+    assert message.endswith(f"stopping the pool (its log: {pool.log_path('wconf')})")
     assert pool.health_status() == 200
+
+
+def test_a_worker_that_cannot_start_again_is_left_down_while_the_rest_serves(
+    pool: Pool, supervised: list[str], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # Its model directory goes away while it serves (a host's broken upgrade): started again,
+    # it exits 2 naming the directory, and nothing else of the pool stops for it.
+    copy = tmp_path / "upgrade" / tiny_model_dir.name  # the same model id as the pool's
+    shutil.copytree(tiny_model_dir, copy)
+    pool.start_worker("wgone", model=copy)
+    pid = wait_for(lambda: _registered_pid(pool, "wgone"), BACK_WITHIN_S, "wgone registered")
+    shutil.rmtree(copy)
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: len(supervised) >= 2, 30, "wgone restarted and given up")
+    assert supervised[0].startswith("wgone exited with code -9 (signal SIGKILL); restarting")
+    assert supervised[1] == (
+        f"wgone exited with code 2 when started again: mlxcel-pool worker: model directory "
+        f"{copy} does not exist on this host (MLXCEL_MODEL / --model): copy the model's whole "
+        "directory (config.json, tokenizer files, weights) there, or set MLXCEL_MODEL to where "
+        "it is; not restarting it, the rest of this host's pool serves on"
+    )
+    time.sleep(0.5)  # supervision polls on without restarting it again
+    assert len(supervised) == 2 and pool.failures() == []
+    assert _complete(pool)["usage"]["completion_tokens"] >= 1
+
+
+def test_a_restart_the_pools_redis_cannot_count_is_logged_and_supervision_goes_on(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # A host that only adds workers, its Redis gone: the worker (which cannot even start
+    # Python) is restarted all the same, each restart saying it went uncounted.
+    settings = load_settings(
+        overrides={
+            "redis": {"url": "redis://:pw@127.0.0.1:1/0"},  # nothing listens there
+            "model": {"path": str(tiny_model_dir), "cache_dir": str(tmp_path)},
+            "metrics": {"multiproc_dir": str(tmp_path / "prom")},
+            "supervisor": FAST_RESTARTS,
+        },
+        environ={},
+    )
+    with Pool(settings, workers=0, router=False, log_dir=tmp_path / "logs") as bare:
+        bare.start_worker("wbad", env={"PYTHONHOME": "/nonexistent"})
+        lines: list[str] = []
+        error = _supervise_until_it_stops(bare, lines)
+    uncounted = [line for line in lines if "restart is not counted" in line]
+    assert len(uncounted) == 2, lines
+    assert uncounted[0].startswith("wbad's restart is not counted in Redis: Error 111 connecting")
+    assert str(error).startswith("wbad exited with code 1 after 2 restart(s)")
