@@ -206,7 +206,8 @@ class Pool:
                 # The cache dir's password: the URL stays valid across restarts of the server.
                 self._redis = start_redis(password=embedded_password(self.settings.cache_dir))
                 self.redis_url = self._redis.url
-            clean_multiproc_dir(self.settings.multiproc_dir)
+            if self.router:  # the router's metric files: a host without one leaves them alone
+                clean_multiproc_dir(self.settings.multiproc_dir)
             self._env = self._child_env()
             if self.model_path is None:
                 with open(self.log_dir / "build-model.log", "a") as log:
