@@ -336,6 +336,7 @@ class WorkerLoop:
         )
         self.outbox.abandon()
         dropped = self.engine.fail_all("the worker lost Redis mid-request", REDIS_UNAVAILABLE)
+        lost_at = time.monotonic()
         delay = RECONNECT_MIN_S
         standing: Standing | None = None
         while self._stop_requests == 0:
@@ -355,7 +356,7 @@ class WorkerLoop:
                 "worker %s reconnected to Redis: %s, and %s: dropped %d request(s) the pool had "
                 "failed or Redis lost, failed %d it could no longer finish; registered again",
                 self.presence.worker_id,
-                self.presence.take_silence().describe(),
+                self.presence.take_silence().describe(time.monotonic() - lost_at),
                 standing.what_happened(),
                 by_pool,
                 by_us,

@@ -63,14 +63,17 @@ class Silence:
     failed_calls: int  # calls that ended in a Redis error (a timeout, a refused connection)
     stuck_s: float  # the loop's longest age seen while the thread held its beats (0: never)
 
-    def describe(self) -> str:
-        """Why Redis did not hear from the worker: cut off, stuck, or not running at all."""
+    def describe(self, lost_for_s: float | None = None) -> str:
+        """Why Redis did not hear from the worker: cut off, stuck, or not running at all.
+        `lost_for_s`: how long the loop's own calls failed (it knows it was cut off, whatever
+        the heartbeat's calls saw)."""
+        unheard = max(self.unheard_s, lost_for_s or 0.0)
         if self.stuck_s:
-            held = f"no heartbeat for {self.unheard_s:.0f}s"
-            return f"its loop was stuck for {self.stuck_s:.0f}s ({held})"
-        if self.failed_calls or self.no_reply_s >= 2 * keys.HEARTBEAT_INTERVAL_S:
-            return f"it was cut off from Redis for {self.unheard_s:.0f}s"
-        return f"it did not run for {self.unheard_s:.0f}s (stopped, or starved of CPU)"
+            return f"its loop was stuck for {self.stuck_s:.0f}s (no heartbeat for {unheard:.0f}s)"
+        cut_off = self.failed_calls or self.no_reply_s >= 2 * keys.HEARTBEAT_INTERVAL_S
+        if lost_for_s is not None or cut_off:
+            return f"it was cut off from Redis for {unheard:.0f}s"
+        return f"it did not run for {unheard:.0f}s (stopped, or starved of CPU)"
 
 
 def redis_run_id(connection: redis.Redis) -> str:
