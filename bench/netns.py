@@ -50,6 +50,7 @@ class NetnsLab:
     hosts: Sequence[str]
     net: int = 77  # the lab's subnet: 10.<net>.0.0/24
     tag: str = field(default_factory=lambda: f"mxl{os.getpid() % 100000}")
+    hostnames: bool = False  # each host's processes see its name as their hostname
     _procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     _made: list[str] = field(default_factory=list)
     _previous_handlers: dict[int, Any] = field(default_factory=dict)
@@ -149,6 +150,14 @@ class NetnsLab:
 
     # --- processes and links -----------------------------------------------------------------
 
+    def _argv(self, host: str, argv: Sequence[str]) -> list[str]:
+        """`argv` inside `host`'s network namespace and, with `hostnames`, in a UTS namespace of
+        its own named `host` (so each simulated host has its own `hostname`)."""
+        inner = list(argv)
+        if self.hostnames:
+            inner = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', host, *inner]
+        return ["ip", "netns", "exec", self.ns(host), *inner]
+
     def popen(
         self,
         host: str,
@@ -160,7 +169,7 @@ class NetnsLab:
         out: IO[bytes] | int = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
         try:
             proc = subprocess.Popen(
-                ["ip", "netns", "exec", self.ns(host), *argv],
+                self._argv(host, argv),
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
@@ -177,7 +186,7 @@ class NetnsLab:
         self, host: str, argv: Sequence[str], env: dict[str, str] | None = None, timeout: float = 60
     ) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            ["ip", "netns", "exec", self.ns(host), *argv],
+            self._argv(host, argv),
             env=env,
             capture_output=True,
             text=True,
