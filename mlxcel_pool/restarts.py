@@ -1,7 +1,10 @@
-"""When the supervisor restarts a child that exited, and when it gives up.
+"""When the supervisor restarts a child that exited, when it gives up, and where each worker's
+restart is counted.
 
-Pure bookkeeping with the clock passed in (`now`), so the policy is tested without processes:
-each child's restart times within a sliding window decide both the backoff and the crash loop.
+The policy is pure bookkeeping with the clock passed in (`now`), so it is tested without
+processes: each child's restart times within a sliding window decide both the backoff and the
+crash loop. `count_restart` is the one write: the pool-wide counter in Redis that every host's
+supervisor adds to and the routers serve (`mlxcel_worker_restarts_total{worker}`).
 """
 
 from __future__ import annotations
@@ -9,7 +12,15 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from shared.config import SupervisorConfig
+import redis
+
+from shared import keys
+from shared.config import RedisConfig, SupervisorConfig
+from shared.redis_clients import sync_client
+
+# The counter's write is one short-lived connection bounded by this: a Redis that does not
+# answer costs supervision no more than that.
+COUNT_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -83,3 +94,18 @@ class RestartLedger:
         while times and now - times[0] >= self.policy.window_s:
             times.popleft()
         return times
+
+
+def count_restart(config: RedisConfig, worker_id: str) -> str | None:
+    """HINCRBY the pool's restart counter of `worker_id` on a connection of its own; None, or
+    why the write failed (the caller logs it and supervises on: a count is never worth a
+    restart)."""
+    try:
+        client = sync_client(config.model_copy(update={"stall_timeout_s": COUNT_TIMEOUT_S}))
+        try:
+            client.hincrby(keys.supervisor_restarts(), worker_id, 1)
+        finally:
+            client.close()
+    except (redis.RedisError, OSError, ValueError) as exc:
+        return str(exc)
+    return None

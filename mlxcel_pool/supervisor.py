@@ -35,7 +35,7 @@ from pydantic import SecretStr
 from mlxcel_pool.child_output import ChildOutput
 from mlxcel_pool.model_setup import ModelBuildError, ensure_model
 from mlxcel_pool.redis_server import EmbeddedRedis, RedisServerError, free_port, start_redis
-from mlxcel_pool.restarts import RestartLedger, RestartPolicy
+from mlxcel_pool.restarts import RestartLedger, RestartPolicy, count_restart
 from mlxcel_pool.worker_ids import EMBEDDED_PREFIX, worker_ids
 from shared import keys
 from shared.config import ENV_VARS, EXIT_CONFIG, TRACE_ENV, Settings
@@ -48,9 +48,6 @@ DASHBOARD = "dashboard"
 REDIS = "redis"  # the embedded redis-server's name in supervision messages and `Pool.pid`
 LOG_TAIL_LINES = 30
 SUPERVISE_POLL_S = 0.2
-# The restart counter's write is one short-lived connection bounded by this: a Redis that does
-# not answer costs supervision no more than that, and the restart is logged as not counted.
-RESTART_COUNT_TIMEOUT_S = 2.0
 # A log line's `2026-01-01 12:00:00,000 ERROR mlxcel.worker: ` (the worker's logging format).
 _LOG_HEAD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [A-Z]+ [\w.]+: ")
 
@@ -365,7 +362,11 @@ class Pool:
         child = self._children[name]
         child.expected = False
         why = self.last_line(name)
-        others = [c for c in self._children.values() if c.expected and c.process.poll() is None]
+        others = [
+            c
+            for c in self._children.values()
+            if c.name != DASHBOARD and c.expected and c.process.poll() is None
+        ]
         if child.starts > 1 and others:
             log(
                 f"{name} exited with code {EXIT_CONFIG} when started again: {why}; not "
@@ -378,20 +379,12 @@ class Pool:
         )
 
     def _count_restart(self, name: str, log: Callable[[str], None]) -> None:
-        """HINCRBY the pool's restart counter for worker `name`, on a connection of its own; a
-        failed write is logged, and supervision goes on."""
         child = self._children.get(name)
         if child is None or not child.is_worker:
             return
-        update = {"url": self.redis_url, "stall_timeout_s": RESTART_COUNT_TIMEOUT_S}
-        try:
-            client = sync_client(self.settings.redis.model_copy(update=update))
-            try:
-                client.hincrby(keys.supervisor_restarts(), name, 1)
-            finally:
-                client.close()
-        except (redis.RedisError, OSError, ValueError) as exc:
-            log(f"{name}'s restart is not counted in Redis: {exc}")
+        failed = count_restart(self.settings.redis.model_copy(update={"url": self.redis_url}), name)
+        if failed is not None:
+            log(f"{name}'s restart is not counted in Redis: {failed}")
 
     def _exited(self, skip: dict[str, float]) -> list[tuple[str, int]]:
         """Children that exited on their own and are not already waiting in `skip`, with their
