@@ -1,10 +1,10 @@
 """Several hosts, simulated: the router, Redis, the worker and the client each in their own Linux
-network namespace (bench/netns.py), joined by veth pairs to a bridge, with a round trip between
-them, against the same pool on loopback.
+network namespace (tests/drivers/netns.py), joined by veth pairs to a bridge, with a round trip
+between them, against the same pool on loopback.
 
-The kernel has no `netem`, so the round trip is a delay proxy (bench/delay_proxy.c) in front of
-Redis (every router and worker command crosses it) and in front of the router (the client's
-requests and streams): each byte is held RTT/2 in each direction. The proxy's round trip is
+The kernel has no `netem`, so the round trip is a delay proxy (tests/drivers/delay_proxy.c) in
+front of Redis (every router and worker command crosses it) and in front of the router (the
+client's requests and streams): each byte is held RTT/2 in each direction. The proxy's round trip is
 measured with PING from the router's host before each measurement and printed next to the
 asked-for one (the proxy itself costs ~0.1 ms on this machine; its delay is calibrated once so
 the measured PING median meets the asked-for round trip).
@@ -56,8 +56,9 @@ from common import (
     tiny_model_dir,
     write_json,
 )
-from netns import DelayProxy, NetnsLab, lab_available
 from results import Results
+
+from tests.drivers.netns import DelayProxy, NetnsLab, lab_available
 
 HOSTS = ("redis", "router", "w1", "client")
 REDIS_PORT, REDIS_PROXY_PORT = 6379, 6390

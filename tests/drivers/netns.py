@@ -214,7 +214,7 @@ PROXY_SOURCE = Path(__file__).with_name("delay_proxy.c")
 
 
 def build_delay_proxy(out_dir: Path) -> Path:
-    """Compile bench/delay_proxy.c into `out_dir` (again only when the source changed)."""
+    """Compile tests/drivers/delay_proxy.c into `out_dir` (again only when the source changed)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     binary = out_dir / "delay_proxy"
     if not binary.exists() or binary.stat().st_mtime < PROXY_SOURCE.stat().st_mtime:

@@ -1,5 +1,5 @@
 /* A TCP proxy that holds every byte for a one-way delay in each direction: a network round
- * trip, where the kernel has no `netem`. Built and started by bench/netns.py (DelayProxy).
+ * trip, where the kernel has no `netem`. Built and started by tests/drivers/netns.py (DelayProxy).
  *
  *   delay_proxy LISTEN_HOST LISTEN_PORT TARGET_HOST TARGET_PORT DELAY_FILE
  *
