@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -51,6 +52,11 @@ class NetnsLab:
     net: int = 77  # the lab's subnet: 10.<net>.0.0/24
     tag: str = field(default_factory=lambda: f"mxl{os.getpid() % 100000}")
     hostnames: bool = False  # each host's processes see its name as their hostname
+    # Directories each host has a copy of its own (a bind mount of `<root>/<host>/<path>` in a
+    # mount namespace per process), as separate machines have their own /etc.
+    private_dirs: Sequence[str] = ()
+    root: Path | None = None  # where the hosts' own copies live (needed with private_dirs)
+    _mountpoints: list[Path] = field(default_factory=list)
     _procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     _made: list[str] = field(default_factory=list)
     _previous_handlers: dict[int, Any] = field(default_factory=dict)
@@ -80,6 +86,13 @@ class NetnsLab:
         for sig in (signal.SIGTERM, signal.SIGHUP):
             self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
         try:
+            for path in self.private_dirs:
+                mountpoint = Path(path)
+                if not mountpoint.exists():  # made for the lab, removed with it
+                    mountpoint.mkdir(parents=True)
+                    self._mountpoints.append(mountpoint)
+                for host in self.hosts:
+                    self.host_dir(host, path).mkdir(parents=True, exist_ok=True)
             self._make()
         except BaseException:
             self.close()
@@ -144,6 +157,10 @@ class NetnsLab:
         for ns in reversed(self._made):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
         self._made.clear()
+        for mountpoint in self._mountpoints:
+            with contextlib.suppress(OSError):
+                mountpoint.rmdir()  # only if still empty: the hosts wrote into their own copies
+        self._mountpoints.clear()
         for sig, handler in self._previous_handlers.items():
             signal.signal(sig, handler)
         self._previous_handlers.clear()
@@ -154,9 +171,21 @@ class NetnsLab:
         """`argv` inside `host`'s network namespace and, with `hostnames`, in a UTS namespace of
         its own named `host` (so each simulated host has its own `hostname`)."""
         inner = list(argv)
-        if self.hostnames:
-            inner = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', host, *inner]
+        if self.hostnames or self.private_dirs:
+            script = ['hostname "$0"'] if self.hostnames else []
+            for path in self.private_dirs:
+                script.append(f"mount --bind {shlex.quote(str(self.host_dir(host, path)))} {path}")
+            script.append('exec "$@"')
+            flags = ["--uts"] if self.hostnames else []
+            flags += ["--mount"] if self.private_dirs else []
+            inner = ["unshare", *flags, "sh", "-c", " && ".join(script), host, *inner]
         return ["ip", "netns", "exec", self.ns(host), *inner]
+
+    def host_dir(self, host: str, path: str) -> Path:
+        """`host`'s own copy of the private directory `path`, as seen from outside the lab."""
+        if self.root is None:
+            raise LabError("private_dirs need a root")
+        return self.root / host / path.lstrip("/")
 
     def popen(
         self,
