@@ -247,6 +247,11 @@ def cmd_router(args: argparse.Namespace) -> int:
         {"router": {"host": args.host, "port": args.port, "processes": args.processes}}
     )
     preflight.require_redis(settings, "router")
+    from router.edge.auth import load_access
+
+    # This host's own files first (no waiting): a missing key file is said at once, not after
+    # the wait for an unreachable Redis.
+    load_access(settings.auth)
     if not args.supervised:
         preflight.check_redis(settings, args.redis_timeout)
     # The tokenizer's files, here too: the built-in model is built (in a subprocess: this
