@@ -27,6 +27,10 @@ script (Redis time there grows with the number of calls).
 | `mlxcel:worker:<wid>:load` | zset | routers: requests placed there | ROUTED_TTL_S |
 | `mlxcel:worker:<wid>:prefill` | hash | routers: unstarted requests' tokens | ROUTED_TTL_S |
 | `mlxcel:routing:stats` | hash | routers: decisions, predicted vs reused tokens | none |
+| `mlxcel:routing:placed` | hash | routers: the worker each request counts on | none |
+| `mlxcel:routing:load` | hash | routers: each worker's requests and queued tokens | none |
+| `mlxcel:routing:first:<block>` | zset | routers: workers a first block went to | ROUTED_TTL_S |
+| `mlxcel:routing:facts` | hash | routers: each worker's model and cache settings | none |
 | `mlxcel:supervisor:restarts` | hash | supervisors: worker id -> restarts | none: counters |
 | `mlxcel:routing:canary` | hash | routers and workers: model id -> canary hash | none |
 | `mlxcel:routing:rr` | string | routers: the round-robin cursor | none |
@@ -181,6 +185,33 @@ def routing_canary() -> str:
     return f"{PREFIX}:routing:canary"
 
 
+def routing_placed() -> str:
+    """The pool's placement table: each admitted request on a worker (placed there, or started
+    there) -> that worker's id and the prompt tokens the request still computes there; an entry
+    goes with the request's member of admission_inflight."""
+    return f"{PREFIX}:routing:placed"
+
+
+def routing_load() -> str:
+    """Each worker's totals over routing_placed: requests counted there and their prompt tokens
+    not yet started, kept in step by the script that moves a request (one read per decision)."""
+    return f"{PREFIX}:routing:load"
+
+
+def routing_facts() -> str:
+    """Per worker id, what placement needs of a worker that stays the same for its whole life,
+    under the epoch it was read for: `<epoch>|<mode>|<paged_block_size>|<checkpoint_tokens>|
+    <model>` (the mode and its setting only for a paged or snapshot cache), read from its info
+    hash again when the epoch changes."""
+    return f"{PREFIX}:routing:facts"
+
+
+def routing_first(block_hex: str) -> str:
+    """The workers sent a prompt starting with this block (the hex of its index member), each
+    scored like its mark in worker_routed: one read finds them all."""
+    return f"{PREFIX}:routing:first:{block_hex}"
+
+
 def routing_cursor() -> str:
     return f"{PREFIX}:routing:rr"
 
@@ -214,6 +245,12 @@ WORKER_KEY_TEMPLATES: dict[str, str] = {
 }
 
 
+# Template of routing_first for Lua (the script substitutes the block's hex for `{block}`).
+ROUTING_FIRST_TEMPLATE = routing_first("{block}")
+
+ROUTING_PARTS = ("stats", "canary", "rr", "placed", "load", "facts")
+
+
 @dataclass(frozen=True)
 class ParsedKey:
     kind: str  # "req", "worker", "control", "workers", "response", "routing", "supervisor"...
@@ -230,8 +267,10 @@ def parse_key(key: str) -> ParsedKey:
         return ParsedKey("workers", "", "")
     if len(parts) == 3 and parts[1] == "admission" and parts[2] in ("inflight", "queued"):
         return ParsedKey("admission", "", parts[2])
-    if len(parts) == 3 and parts[1] == "routing" and parts[2] in ("stats", "canary", "rr"):
+    if len(parts) == 3 and parts[1] == "routing" and parts[2] in ROUTING_PARTS:
         return ParsedKey("routing", "", parts[2])
+    if len(parts) == 4 and parts[1:3] == ["routing", "first"] and parts[3]:
+        return ParsedKey("routing", parts[3], "first")
     if parts[1:] == ["supervisor", "restarts"]:
         return ParsedKey("supervisor", "", "restarts")
     if len(parts) == 5 and parts[1] == "worker" and parts[2] and parts[3] == "blocks" and parts[4]:

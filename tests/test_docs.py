@@ -112,11 +112,16 @@ def test_mlxcel_keys_parse_back(name: str) -> None:
     }
     if parsed.kind == "workers":
         assert key == keys.workers_roster()
+    elif parsed.kind == "routing" and parsed.part == "first":
+        assert keys.routing_first(parsed.ident) == key
     elif parsed.kind == "routing":
         built = {
             "stats": keys.routing_stats,
             "canary": keys.routing_canary,
             "rr": keys.routing_cursor,
+            "placed": keys.routing_placed,
+            "load": keys.routing_load,
+            "facts": keys.routing_facts,
         }
         assert built[parsed.part]() == key
     elif parsed.kind == "supervisor":

@@ -160,9 +160,10 @@ def test_a_saturated_worker_spills_a_hot_prefix_to_a_second_one(redis_url: str) 
 def test_the_imbalance_gate_lets_load_decide(redis_url: str) -> None:
     r = redis.Redis.from_url(redis_url)
     _worker(r, "w1", holds=SYSTEM)
+    # w1 runs 40 sequences already (placed by another router before w2 came), w2 none.
+    other = _ledger(redis_url)
+    assert {_place(other, f"busy{i}", [900 + i] * 10).worker_id for i in range(40)} == {"w1"}
     _worker(r, "w2")
-    # w1 runs 40 sequences already (placed by other routers), w2 none.
-    r.zadd(keys.worker_load("w1"), {f"busy{i}": 10**13 for i in range(40)})
     placed = _place(_ledger(redis_url), "a", SYSTEM + [9] * 4)
     assert (placed.worker_id, placed.outcome) == ("w2", "spill")
 
@@ -174,9 +175,16 @@ def test_round_robin_and_least_loaded_ignore_the_caches(redis_url: str) -> None:
     rr = _ledger(redis_url, policy="round_robin")
     picks = [_place(rr, f"rr{i}", SYSTEM + [i]).worker_id for i in range(4)]
     assert sorted(picks) == ["w1", "w1", "w2", "w2"] and picks[0] != picks[1]
-    for wid in ("w1", "w2"):
-        r.delete(keys.worker_load(wid), keys.worker_prefill(wid))
-    r.zadd(keys.worker_load("w1"), {"busy": 10**13})
+
+    async def release_all() -> None:
+        for i in range(4):
+            await rr.release(f"rr{i}")
+
+    asyncio.run(release_all())
+    # w1 runs one request (placed by another router while w2 was away), w2 none.
+    r.pexpire(keys.worker_info("w2"), min_alive_pttl_ms() - 1000)
+    assert _place(_ledger(redis_url), "busy", [1] * 10).worker_id == "w1"
+    r.pexpire(keys.worker_info("w2"), keys.LIVENESS_TTL_S * 1000)
     least = _place(_ledger(redis_url, policy="least_loaded"), "ll", SYSTEM + [1])
     assert (least.worker_id, least.outcome) == ("w2", "load")
 

@@ -30,30 +30,49 @@ from shared.liveness import min_alive_pttl_ms
 
 log = logging.getLogger(__name__)
 
+# The pool's placement table (router/placement/pool_table.lua): its helpers go in front of each
+# script that places, starts or ends a request, so every one of them moves a request's count.
+POOL_TABLE_LUA = (Path(__file__).with_name("pool_table.lua")).read_text()
+
+
+def _with_table(script: str) -> str:
+    return POOL_TABLE_LUA + script
+
+
 # Admission and placement: one script (router/placement/placement.lua), so a bound and a worker's
 # slot are decided and reserved together.
-PLACE_LUA = (Path(__file__).with_name("placement.lua")).read_text()
+PLACE_LUA = _with_table((Path(__file__).with_name("placement.lua")).read_text())
 PLACE_KEYS = [
     keys.admission_inflight(),
     keys.admission_queued_tokens(),
     keys.workers_roster(),
     keys.routing_stats(),
     keys.routing_cursor(),
+    keys.routing_placed(),
+    keys.routing_load(),
+    keys.routing_facts(),
 ]
 
 # A request started: its prompt tokens stop waiting, its load entry follows the worker that took
 # it (a stealing peer, or any worker off the shared queue), lapsing with its reservation, and the
 # routing counters learn what that worker reused: one round trip.
-STARTED_LUA = """
+# KEYS: queued, placed worker's prefill and load ('' none), taker's load, inflight, stats,
+#       placements, worker loads
+# ARGV: request id, routed ttl ms, the taker's id, its cached tokens, the placed worker ('')
+STARTED_LUA = _with_table("""
 redis.call('HDEL', KEYS[1], ARGV[1])
 if KEYS[2] ~= '' then redis.call('HDEL', KEYS[2], ARGV[1]) end
+local score = redis.call('ZSCORE', KEYS[5], ARGV[1])
 if KEYS[3] ~= KEYS[4] then
   if KEYS[3] ~= '' then redis.call('ZREM', KEYS[3], ARGV[1]) end
-  local score = redis.call('ZSCORE', KEYS[5], ARGV[1])
   if score then
     redis.call('ZADD', KEYS[4], score, ARGV[1])
     redis.call('PEXPIRE', KEYS[4], ARGV[2])
   end
+end
+-- In the table it counts on the taker now, with nothing left to prefill (while it is admitted).
+if unplace(KEYS[7], KEYS[8], ARGV[1]) or score then
+  place_on(KEYS[7], KEYS[8], ARGV[3], {ARGV[1]}, 0)
 end
 redis.call('HINCRBY', KEYS[6], 'reused_tokens:' .. ARGV[3], ARGV[4])
 redis.call('HINCRBY', KEYS[6], 'started:' .. ARGV[3], 1)
@@ -61,32 +80,38 @@ if ARGV[5] ~= '' and ARGV[5] ~= ARGV[3] then
   redis.call('HINCRBY', KEYS[6], 'taken_over:' .. ARGV[3], 1)
 end
 return 1
-"""
+""")
 
-# Extends only reservations still held (XX): one that lapsed meanwhile stays released.
-# A request ended: its reservations go, and so do the routed marks it wrote, unless a later
-# placement of the same blocks rewrote them (then that request's end removes them).
-# KEYS: inflight, queued, load, prefill, routed ('' for the last three: none)
-# ARGV: request id, the marks' score, the members
-RELEASE_LUA = """
+# A request ended: its reservations go, its count in the placement table (once: the entry goes
+# with it), and so do the routed marks it wrote, unless a later placement of the same blocks
+# rewrote them (then that request's end removes them).
+# KEYS: inflight, queued, placements, worker loads, load, prefill, routed, first block's marks
+#       ('' for the last four: none)
+# ARGV: request id, the marks' score, the marked worker, the members
+RELEASE_LUA = _with_table("""
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
-if KEYS[3] == '' then return 0 end
-redis.call('ZREM', KEYS[3], ARGV[1])
-redis.call('HDEL', KEYS[4], ARGV[1])
+unplace(KEYS[3], KEYS[4], ARGV[1])
+if KEYS[5] == '' then return 0 end
+redis.call('ZREM', KEYS[5], ARGV[1])
+redis.call('HDEL', KEYS[6], ARGV[1])
 local mine, gone = ARGV[2], 0
-if #ARGV < 3 or mine == '0' then return 0 end
-local scores = redis.call('ZMSCORE', KEYS[5], unpack(ARGV, 3))
+if #ARGV < 4 or mine == '0' then return 0 end
+if KEYS[8] ~= '' and tonumber(redis.call('ZSCORE', KEYS[8], ARGV[3]) or -1) == tonumber(mine) then
+  redis.call('ZREM', KEYS[8], ARGV[3])
+end
+local scores = redis.call('ZMSCORE', KEYS[7], unpack(ARGV, 4))
 local stale = {}
 for i, score in ipairs(scores) do
-  if score and tonumber(score) == tonumber(mine) then stale[#stale + 1] = ARGV[i + 2] end
+  if score and tonumber(score) == tonumber(mine) then stale[#stale + 1] = ARGV[i + 3] end
 end
 for i = 1, #stale, 1000 do
-  gone = gone + redis.call('ZREM', KEYS[5], unpack(stale, i, math.min(i + 999, #stale)))
+  gone = gone + redis.call('ZREM', KEYS[7], unpack(stale, i, math.min(i + 999, #stale)))
 end
 return gone
-"""
+""")
 
+# Extends only reservations still held (XX): one that lapsed meanwhile stays released.
 # ARGV: ttl ms, then (request id, its worker's load key or '') pairs.
 REFRESH_LUA = """
 local t = redis.call('TIME')
@@ -160,6 +185,7 @@ class AdmissionLedger:
             info_template=t["info"],
             blocks_template=t["blocks"],
             routed_template=t["routed"],
+            first_template=keys.ROUTING_FIRST_TEMPLATE,
             load_template=t["load"],
             prefill_template=t["prefill"],
             model=model_id,
@@ -205,6 +231,8 @@ class AdmissionLedger:
                     keys.worker_load(worker_id),
                     keys.admission_inflight(),
                     keys.routing_stats(),
+                    keys.routing_placed(),
+                    keys.routing_load(),
                 ],
                 args=[request_id, keys.ROUTED_TTL_S * 1000, worker_id, cached_tokens, placed],
             )
@@ -231,9 +259,18 @@ class AdmissionLedger:
             [keys.worker_load(worker_id), keys.worker_prefill(worker_id)] if worker_id else ["", ""]
         )
         routed = keys.worker_routed(marked) if marked else ""
+        first = keys.routing_first(members[0].hex()) if marked and members else ""
+        table = [keys.routing_placed(), keys.routing_load()]
         return {
-            "keys": [keys.admission_inflight(), keys.admission_queued_tokens(), *placed, routed],
-            "args": [request_id, score if marked else 0, *members],
+            "keys": [
+                keys.admission_inflight(),
+                keys.admission_queued_tokens(),
+                *table,
+                *placed,
+                routed,
+                first,
+            ],
+            "args": [request_id, score if marked else 0, marked, *members],
         }
 
     # -- keeping this process's reservations alive -------------------------------------------

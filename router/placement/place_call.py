@@ -4,7 +4,7 @@ out (`parse_reply`, the script's array as a Placement or a Refusal)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -24,6 +24,7 @@ class PlaceArgs:
     info_template: str  # per-worker key templates ({wid}, {epoch}) from shared.keys
     blocks_template: str
     routed_template: str
+    first_template: str  # the first block's marks ({block}: its hex)
     load_template: str
     prefill_template: str
     model: str
@@ -39,7 +40,7 @@ class PlaceArgs:
     def argv(self, members: list[bytes]) -> list[Any]:
         """The script's ARGV: the named scalars as one JSON object, then the members (binary
         block hashes, which JSON cannot carry), in order."""
-        return [orjson.dumps(asdict(self)), *members]
+        return [orjson.dumps(self), *members]
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
--- Admission and placement in ONE atomic step (router/placement/ledger.py calls it).
+-- Admission and placement in ONE atomic step (router/placement/ledger.py calls it, with
+-- router/placement/pool_table.lua in front).
 --
 -- Admits a request against the pool's bounds, picks the live worker of its model that should
 -- run it, and reserves both before returning: two routers can never both book the last slot or
@@ -6,8 +7,13 @@
 -- siblings (the other choices of its prompt, `n` > 1) are admitted and placed with it, on the
 -- same worker, or refused with it: that worker computes their shared prompt once.
 --
+-- A decision costs a few calls per live worker (its liveness, its identity, the prompt's first
+-- block in its index) and a few per worker that holds that block: every worker's load comes from
+-- the pool's placement table in one read, and the first block's routed marks from one key.
+--
 -- KEYS: 1 admission inflight zset, 2 admission queued hash, 3 worker roster set,
---       4 routing stats hash, 5 round-robin cursor
+--       4 routing stats hash, 5 round-robin cursor, 6 placements hash, 7 worker loads hash
+--       (6 and 7: pool_table.lua), 8 worker facts hash
 -- ARGV: 1 the named scalars as one JSON object (router/placement/place_call.py PlaceArgs:
 --         request id, lease, bounds, key templates, model, policy, scoring weights, siblings),
 --       2.. the prompt's block index members, in order
@@ -18,22 +24,6 @@
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-
-local function key(template, wid, epoch)
-  local k = string.gsub(template, '{wid}', wid)
-  if epoch then k = string.gsub(k, '{epoch}', epoch) end
-  return k
-end
-
-local function purge(zset, hash)
-  local lapsed = redis.call('ZRANGEBYSCORE', zset, '-inf', now)
-  for i = 1, #lapsed, 1000 do
-    redis.call('HDEL', hash, unpack(lapsed, i, math.min(i + 999, #lapsed)))
-  end
-  if #lapsed > 0 then redis.call('ZREMRANGEBYSCORE', zset, '-inf', now) end
-end
-
-purge(KEYS[1], KEYS[2])
 
 local p = cjson.decode(ARGV[1])
 local rid, ttl, prompt = p.request_id, p.ttl_ms, p.prompt_tokens
@@ -49,32 +39,105 @@ local members = {}
 for i = 2, #ARGV do members[#members + 1] = ARGV[i] end
 local count = 1 + k  -- places in flight the request takes
 
--- The live workers of the model, each with its load (its lapsed placements purged first).
-local live = {}
-for _, wid in ipairs(redis.call('SMEMBERS', KEYS[3])) do
-  local info = key(p.info_template, wid)
-  if redis.call('PTTL', info) > min_pttl then
-    local f = redis.call('HMGET', info, 'model', 'epoch', 'storage_mode', 'paged_block_size',
-                         'checkpoint_tokens')
-    if f[1] == model then
-      local load, prefill = key(p.load_template, wid), key(p.prefill_template, wid)
-      purge(load, prefill)
-      local queued = 0
-      for _, v in ipairs(redis.call('HVALS', prefill)) do queued = queued + tonumber(v) end
-      -- A paged cache adopts whole pages: what it can reuse is floored to its page size.
-      local unit = 1
-      if f[3] == 'paged' then unit = tonumber(f[4]) or 1 end
-      -- A snapshot cache resumes only where it kept a checkpoint: its index holds just those
-      -- blocks (the last of each checkpoint), and it keeps one every `every` blocks.
-      local every = 0
-      if f[3] == 'snapshot' then every = math.floor((tonumber(f[5]) or 0) / block_size) end
-      live[#live + 1] = {wid = wid, epoch = f[2] or '', running = redis.call('ZCARD', load),
-                         queued = queued, cached = 0, unit = math.max(unit, 1),
-                         snapshot = f[3] == 'snapshot', every = every}
+-- A key template split once around its placeholder: a worker's key is then a concatenation.
+local function template(text, name)
+  local head, tail = string.match(text, '^(.-){' .. name .. '}(.*)$')
+  return function(v) return head .. v .. tail end
+end
+local info_key, routed_key = template(p.info_template, 'wid'), template(p.routed_template, 'wid')
+local load_key, prefill_key = template(p.load_template, 'wid'), template(p.prefill_template, 'wid')
+local blocks_head, blocks_mid, blocks_tail =
+  string.match(p.blocks_template, '^(.-){wid}(.-){epoch}(.*)$')
+local function blocks_key(w) return blocks_head .. w.wid .. blocks_mid .. w.epoch .. blocks_tail end
+-- The prompt's first block's routed marks: worker id -> when its mark lapses (members are
+-- binary, the key names the block in hex).
+local first_key = nil
+if #members > 0 then
+  local m = members[1]
+  first_key = template(p.first_template, 'block')(
+    string.format(string.rep('%02x', #m), string.byte(m, 1, -1)))
+end
+
+-- Lapsed reservations (a crashed router's) go, with their tokens and their place on a worker.
+local lapsed = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
+for i = 1, #lapsed, 1000 do
+  local chunk = {unpack(lapsed, i, math.min(i + 999, #lapsed))}
+  redis.call('HDEL', KEYS[2], unpack(chunk))
+  for _, id in ipairs(chunk) do
+    local wid = unplace(KEYS[6], KEYS[7], id)
+    if wid then
+      redis.call('ZREM', load_key(wid), id)
+      redis.call('HDEL', prefill_key(wid), id)
     end
   end
 end
-table.sort(live, function(a, b) return a.wid < b.wid end)
+if #lapsed > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now) end
+
+-- A hash read whole, as a table (one call, linear in its size).
+local function hash_table(key)
+  local flat, out = redis.call('HGETALL', key), {}
+  for i = 1, #flat, 2 do out[flat[i]] = flat[i + 1] end
+  return out
+end
+
+-- The live workers of the model, in id order, each with its load from the placement table.
+-- Per worker two reads of its info hash: its liveness (PTTL) and its epoch. The rest of what
+-- routing needs of it (its model, its cache's mode) comes from the facts table, which holds it
+-- per epoch: a worker writes those fields once per life, so they hold while its epoch does,
+-- and they are read from its info hash again when the epoch is new.
+local roster = redis.call('SMEMBERS', KEYS[3])
+table.sort(roster)
+local facts, loads = hash_table(KEYS[8]), hash_table(KEYS[7])
+local live = {}
+for i = 1, #roster do
+  local wid = roster[i]
+  local info = info_key(wid)
+  if redis.call('PTTL', info) > min_pttl then
+    local epoch = redis.call('HGET', info, 'epoch') or ''
+    -- '<epoch>|<mode>|<paged_block_size>|<checkpoint_tokens>|<model>', the mode and its
+    -- setting only for a paged or snapshot cache: a plain one's model is one comparison.
+    local fact, mode, page, every_tokens = facts[wid], '', '', ''
+    local mine = fact == epoch .. '||||' .. model
+    if not mine then
+      local seen, its_model
+      if fact then
+        seen, mode, page, every_tokens, its_model =
+          string.match(fact, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|(.*)$')
+      end
+      if epoch == '' or seen ~= epoch then
+        local f = redis.call('HMGET', info, 'model', 'storage_mode', 'paged_block_size',
+                             'checkpoint_tokens')
+        its_model, mode, page, every_tokens = f[1] or '', f[2] or '', f[3] or '', f[4] or ''
+        if mode ~= 'paged' then page = '' end
+        if mode ~= 'snapshot' then every_tokens = '' end
+        if mode ~= 'paged' and mode ~= 'snapshot' then mode = '' end
+        if epoch ~= '' then
+          redis.call('HSET', KEYS[8], wid,
+                     table.concat({epoch, mode, page, every_tokens, its_model}, '|'))
+        end
+      end
+      mine = its_model == model
+    end
+    if mine then
+      local w = {wid = wid, epoch = epoch, running = 0, queued = 0, cached = 0, unit = 1,
+                 every = 0}
+      local load = loads[wid]
+      if load then
+        local n, q = string.match(load, '^(%-?%d+) (%-?%d+)$')
+        w.running, w.queued = tonumber(n), tonumber(q)
+      end
+      -- A paged cache adopts whole pages: what it can reuse is floored to its page size.
+      if mode == 'paged' then w.unit = math.max(tonumber(page) or 1, 1) end
+      -- A snapshot cache resumes only where it kept a checkpoint: its index holds just those
+      -- blocks (the last of each checkpoint), and it keeps one every `every` blocks.
+      if mode == 'snapshot' then
+        w.snapshot = true
+        w.every = math.floor((tonumber(every_tokens) or 0) / block_size)
+      end
+      live[#live + 1] = w
+    end
+  end
+end
 
 -- The pool's bound counts every model's requests in flight; a model's own workers bound only
 -- its requests (below: a request is refused when every one of them is at its bound).
@@ -97,8 +160,22 @@ for _, w in ipairs(live) do
 end
 if #live > 0 and #open == 0 then return {0, 'inflight', mine, per_worker * #live, 'model'} end
 
+-- The workers with a live routed mark on the prompt's first block, read from one key. It may
+-- list a worker whose own marks are gone (a reaper deleted them): that costs the worker a
+-- look at its marks, never a match.
+local first_routed = nil
+local function routed_first(w)
+  if first_routed == nil then
+    first_routed = {}
+    for _, wid in ipairs(redis.call('ZRANGEBYSCORE', first_key, '(' .. now, '+inf')) do
+      first_routed[wid] = true
+    end
+  end
+  return first_routed[w.wid] == true
+end
+
 -- How many of the prompt's leading blocks the worker holds or was already sent. Most workers
--- hold no block of a given prompt: the first block alone rules them out (two O(1) calls), so a
+-- hold no block of a given prompt: the first block alone rules them out (one O(1) call), so a
 -- decision's cost grows with the workers that match, not with every live one. Routed marks are
 -- read only past the held prefix (a small sorted set is a listpack Redis scans per member).
 -- A snapshot worker: the deepest of the prompt's blocks it holds or was sent, short of the
@@ -106,7 +183,7 @@ if #live > 0 and #open == 0 then return {0, 'inflight', mine, per_worker * #live
 local function resumable_tokens(w)
   local last = math.min(#members, math.floor((prompt - 1) / block_size))
   if last < 1 then return 0 end
-  local blocks, routed = key(p.blocks_template, w.wid, w.epoch), key(p.routed_template, w.wid)
+  local blocks, routed = blocks_key(w), routed_key(w.wid)
   local held = redis.call('SMISMEMBER', blocks, unpack(members, 1, last))
   local marks = {}
   if redis.call('EXISTS', routed) == 1 then
@@ -125,10 +202,10 @@ end
 local function cached_tokens(w)
   if #members == 0 then return 0 end
   if w.snapshot then return resumable_tokens(w) end
-  local blocks, routed = key(p.blocks_template, w.wid, w.epoch), key(p.routed_template, w.wid)
-  local first_mark = redis.call('ZSCORE', routed, members[1])
-  local first_routed = first_mark and tonumber(first_mark) > now
+  local blocks = blocks_key(w)
+  local first_routed = routed_first(w)
   if not first_routed and redis.call('SISMEMBER', blocks, members[1]) == 0 then return 0 end
+  local routed = routed_key(w.wid)
   local held = redis.call('SMISMEMBER', blocks, unpack(members))
   local k = 0
   while k < #members and held[k + 1] == 1 do k = k + 1 end
@@ -192,15 +269,16 @@ reserve(KEYS[1])
 if prompt > 0 then redis.call('HSET', KEYS[2], rid, prompt) end
 redis.call('HINCRBY', KEYS[4], 'decisions:' .. outcome, 1)
 if chosen == nil then return {1, outcome, '', 0, 0, n + count, limit, 0} end
-local load, prefill = key(p.load_template, chosen.wid), key(p.prefill_template, chosen.wid)
+local load, prefill = load_key(chosen.wid), prefill_key(chosen.wid)
 reserve(load)
 redis.call('HSET', prefill, rid, prompt - chosen.cached)
 redis.call('PEXPIRE', load, routed_ttl)
 redis.call('PEXPIRE', prefill, routed_ttl)
+place_on(KEYS[6], KEYS[7], chosen.wid, {rid, unpack(siblings)}, prompt - chosen.cached)
 local routed_score = 0
 if #members > 0 and policy == 'cache_aware' then
   routed_score = now + routed_ttl
-  local routed = key(p.routed_template, chosen.wid)
+  local routed = routed_key(chosen.wid)
   redis.call('ZREMRANGEBYSCORE', routed, '-inf', now)
   -- A snapshot worker will hold only the blocks where this prompt's prefill keeps checkpoints
   -- (worker/prompt_cache/checkpoints.py): each `every`-th, and the last before its last token.
@@ -217,6 +295,10 @@ if #members > 0 and policy == 'cache_aware' then
     redis.call('ZADD', routed, unpack(scored, i, math.min(i + 1999, #scored)))
   end
   redis.call('PEXPIRE', routed, routed_ttl)
+  if not chosen.snapshot then  -- the first block's mark, where the next decision looks first
+    redis.call('ZADD', first_key, routed_score, chosen.wid)
+    redis.call('PEXPIRE', first_key, routed_ttl)
+  end
 end
 -- Each sibling is expected to reuse the whole prompt but its last token, from the first.
 local predicted = chosen.cached + k * math.max(prompt - 1, 0)
