@@ -122,44 +122,66 @@ class Dispatcher:
         disconnected: Disconnected | None = None,
         streamed: bool = True,
     ) -> AsyncIterator[StreamEvent]:
-        """The request's events up to and including its `done` or `error`. A request whose worker
-        died before any token reached the client (a streamed one that had sent none, or any
-        non-streamed one) is enqueued once more, onto whichever worker is live: a new attempt
-        begins with its own `start`, after which the reader drops what it gathered; the client
-        never sees the death. One that had streamed tokens ends with an error. Closing the
-        iterator early (client gone) tells the worker to drop the sequence."""
+        """The request's events one by one (batches() has them a stream read at a time)."""
+        async with aclosing(self.batches(gen, disconnected, streamed)) as batches:
+            async for batch in batches:
+                for event in batch:
+                    yield event
+
+    async def batches(
+        self,
+        gen: GenerationRequest,
+        disconnected: Disconnected | None = None,
+        streamed: bool = True,
+    ) -> AsyncIterator[list[StreamEvent]]:
+        """The request's events up to and including its `done` or `error`, in lists of what one
+        stream read brought (never empty). A request whose worker died before any token reached
+        the client (a streamed one that had sent none, or any non-streamed one) is enqueued once
+        more, onto whichever worker is live: a new attempt begins with its own `start`, after
+        which the reader drops what it gathered; the client never sees the death. One that had
+        streamed tokens ends with an error. Closing the iterator early (client gone) tells the
+        worker to drop the sequence."""
         attempt = Attempt(gen)
         relayed_tokens = started = False
         try:
             while True:
                 lost: StreamEvent | None = None
                 async with aclosing(self._read(attempt, disconnected, not streamed)) as reader:
-                    async for event in reader:
-                        if event.kind == "error" and event.error_type == ErrorKind.WORKER_LOST:
-                            lost = event
-                            break
-                        last = event.kind in ("done", "error")
-                        relayed_tokens = relayed_tokens or (streamed and event.kind == "delta")
-                        if event.kind == "start" and not started:
-                            started = True
-                            await self.ledger.started(
-                                gen.request_id, event.worker_id or "", event.cached_tokens
-                            )
-                        yield event
+                    async for batch in reader:
+                        last = False
+                        for i, event in enumerate(batch):
+                            kind = event.kind
+                            if kind == "error" and event.error_type == ErrorKind.WORKER_LOST:
+                                lost, batch = event, batch[:i]
+                                break
+                            if kind == "start" and not started:
+                                started = True
+                                await self.ledger.started(
+                                    gen.request_id, event.worker_id or "", event.cached_tokens
+                                )
+                            elif kind == "delta":
+                                relayed_tokens = relayed_tokens or streamed
+                            elif kind == "done" or kind == "error":
+                                last, batch = True, batch[: i + 1]
+                                break
+                        if batch:
+                            yield batch
                         if last:
                             return
+                        if lost is not None:
+                            break
                 if lost is None:
                     return  # the client went away (or nothing more will come)
                 # A lost worker may be only stopped: the cleanup below (or the requeue) sets the
                 # lost attempt's cancel flag, so it drops the request when it goes on.
                 if relayed_tokens or attempt.number >= MAX_ATTEMPTS:
-                    yield lost
+                    yield [lost]
                     return
                 try:
                     attempt = await self._requeue(attempt)
                 except redis.RedisError as exc:
                     log.warning("request %s: could not enqueue it again: %s", gen.request_id, exc)
-                    yield lost
+                    yield [lost]
                     return
                 log.warning("request %s: %s; enqueued again", gen.request_id, lost.error)
         finally:
@@ -186,12 +208,12 @@ class Dispatcher:
 
     async def _read(
         self, attempt: Attempt, disconnected: Disconnected | None, in_flow: bool
-    ) -> AsyncIterator[StreamEvent]:
+    ) -> AsyncIterator[list[StreamEvent]]:
         stream = keys.request_stream(attempt.job_id)
-        queue = await self.hub.subscribe(stream)
+        feed = await self.hub.subscribe(stream)
         watch = Watch(
             attempt,
-            queue,
+            feed,
             disconnected,
             in_flow,
             self.request_timeout_s,
@@ -199,8 +221,8 @@ class Dispatcher:
             unread=lambda: self._unread(attempt),
         )
         try:
-            async for event in watch.events():
-                yield event
+            async for batch in watch.batches():
+                yield batch
         finally:
             self.hub.unsubscribe(stream)
 
@@ -258,14 +280,14 @@ class Dispatcher:
     async def cleanup(self, req_id: str, cancel: bool) -> None:
         """A request's end: its stream deleted once its worker wrote its last event, else the
         job's cancel flag set and the stream left to lapse (the worker may write once more)."""
+        stream = keys.request_stream(req_id)
         try:
+            if not cancel:  # the worker wrote its last event: nothing will recreate the key
+                await self.aredis.delete(stream)
+                return
             async with self.aredis.pipeline(transaction=False) as pipe:
-                stream = keys.request_stream(req_id)
-                if cancel:
-                    pipe.set(keys.request_cancel(req_id), "1", ex=keys.REQUEST_TTL_S)
-                    pipe.expire(stream, CANCELLED_STREAM_TTL_S)
-                else:  # the worker wrote its last event: nothing will recreate the key
-                    pipe.delete(stream)
+                pipe.set(keys.request_cancel(req_id), "1", ex=keys.REQUEST_TTL_S)
+                pipe.expire(stream, CANCELLED_STREAM_TTL_S)
                 await pipe.execute()
         except redis.RedisError:
             log.warning("could not clean up request %s", req_id, exc_info=True)

@@ -9,10 +9,10 @@ an embedding is cheap to ask for again, and the 503 says the client may.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import anyio
 
@@ -22,12 +22,13 @@ from router.admission.tokenization import TokenizerLoadError
 from router.edge.embedding_types import EmbeddingBody
 from router.edge.errors import APIError
 from router.pool_view.model_catalog import unknown_model_message, unservable_error
+from router.relay.event_decode import entry_payload
 from router.state import RouterState
 from shared import keys
 from shared.canary_check import CanaryMismatch
 from shared.embedding_wire import EMBED_JOB_FUNC, EmbeddingReply, EmbeddingRequest
 from shared.errors import ErrorKind, kind_of
-from shared.wire import STREAM_FIELD, WireError
+from shared.wire import WireError
 
 log = logging.getLogger(__name__)
 
@@ -80,17 +81,15 @@ async def embedding_reply(
     client gone, the timeout)."""
     hub = state.dispatcher.hub
     stream = keys.request_stream(req.request_id)
-    queue = await hub.subscribe(stream)
+    feed = await hub.subscribe(stream)
     answered = False
     try:
         deadline = time.monotonic() + state.settings.router.request_timeout_s
         while True:
-            try:
-                async with asyncio.timeout(IDLE_CHECK_S):
-                    _, fields = await queue.get()
-            except TimeoutError:
+            if not await feed.wait(IDLE_CHECK_S):
                 await _check(state, req, disconnected, deadline)
                 continue
+            _, fields = feed.take()[0]
             reply = _decode(fields)
             answered = True
             if reply.kind == "error":
@@ -123,8 +122,8 @@ async def _check(
         raise APIError.of(ErrorKind.JOB_FAILED, "the worker finished the job without its reply")
 
 
-def _decode(fields: dict[bytes, bytes]) -> EmbeddingReply:
-    data = fields.get(STREAM_FIELD)
+def _decode(fields: list[Any]) -> EmbeddingReply:
+    data = entry_payload(fields)
     try:
         if data is None:
             raise WireError("a stream entry without the reply field")

@@ -4,11 +4,13 @@ chunks (several choices side by side under their `index`)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
 import anyio
+import orjson
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -18,9 +20,11 @@ from router.relay.logprobs import LogprobRenderer, token_table
 from router.relay.progress import ChoiceProgress, error_for
 from router.relay.routed import RoutedRequest
 from router.relay.streams import (
-    Events,
+    Batches,
+    LastWrite,
     collect_all,
-    first_events,
+    first_batches,
+    open_batches,
     open_streams,
     served_by,
     sse,
@@ -40,17 +44,18 @@ async def respond(request: Request, state: RouterState, routed: RoutedRequest) -
     renderer = None
     if routed.gens[0].logprobs is not None:
         renderer = await anyio.to_thread.run_sync(_logprob_renderer, state, routed.model, fmt.chat)
-    streams = open_streams(request, state, routed)
     if not routed.stream:
+        streams = open_streams(request, state, routed)
         await collect_all(streams, progress)
         body = _body(fmt, progress, renderer)
         return JSONResponse(body, headers=served_by(progress[0].worker_id))
-    firsts = await first_events(streams)
-    if len(streams) == 1:
-        chunks = _chunks(firsts[0], streams[0], routed, progress[0], renderer)
-    else:
-        chunks = _merged(list(zip(firsts, streams, progress, strict=True)), routed, renderer)
-    return sse_response(chunks, firsts[0])
+    batches = open_batches(request, state, routed)
+    firsts = await first_batches(batches)
+    if len(batches) == 1:  # one write a stream read already
+        chunks = _chunks(firsts[0], batches[0], routed, progress[0], renderer)
+        return sse_response(chunks, firsts[0][0], coalesce=False)
+    chunks = _merged(list(zip(firsts, batches, progress, strict=True)), routed, renderer)
+    return sse_response(chunks, firsts[0][0])
 
 
 def _body(
@@ -81,57 +86,99 @@ def _unsent_logprobs(
     return renderer.render(unsent, progress.chars)
 
 
-async def _chunks(
-    first: StreamEvent,
-    events: Events,
-    routed: RoutedRequest,
-    progress: ChoiceProgress,
-    renderer: LogprobRenderer | None,
-    index: int = 0,
-    final: bool = True,
-) -> AsyncIterator[bytes]:
-    """One choice's SSE chunks; `final`: it is the response's only choice, so it also sends the
-    usage chunk and [DONE] (with several, _merged does, once)."""
-    fmt = routed.fmt
-    assert fmt is not None
-    include_usage = routed.include_usage
+def chunk_writer(index: int, include_usage: bool) -> Callable[[dict[str, Any]], bytes]:
+    """A choice's non-final chunk as SSE bytes: its index (0 is fmt's own), and with
+    include_usage the `usage: null` OpenAI marks every non-final chunk with."""
 
     def chunk(body: dict[str, Any]) -> bytes:
         if index:
             for choice in body["choices"]:
                 choice["index"] = index
         if include_usage:
-            body["usage"] = None  # OpenAI marks every non-final chunk this way
+            body["usage"] = None
         return sse(body)
 
-    async with aclosing(events):
+    return chunk
+
+
+# Stands for a chunk's text while its template is cut (text_chunk_writer); orjson writes it
+# with escapes that no id or model name holds.
+_PROBE = f"\x00{uuid.uuid4().hex}\x00"
+
+
+def text_chunk_writer(
+    chunk: Callable[[dict[str, Any]], bytes], fmt: ResponseFormat
+) -> Callable[[str], bytes]:
+    """A text-only chunk's SSE bytes from the request's own template: the bytes `chunk` makes of
+    `fmt.chunk(text)`, cut once around the text, so per token only the text is encoded."""
+    head, tail = chunk(fmt.chunk(_PROBE)).split(orjson.dumps(_PROBE))
+
+    def text_chunk(text: str) -> bytes:
+        return head + orjson.dumps(text) + tail
+
+    return text_chunk
+
+
+async def _chunks(
+    first: list[StreamEvent],
+    batches: Batches,
+    routed: RoutedRequest,
+    progress: ChoiceProgress,
+    renderer: LogprobRenderer | None,
+    index: int = 0,
+    final: bool = True,
+) -> AsyncIterator[bytes]:
+    """One choice's SSE chunks, one write a stream read; `final`: it is the response's only
+    choice, so it also sends the usage chunk and [DONE] (with several, _merged does, once)."""
+    fmt = routed.fmt
+    assert fmt is not None
+    include_usage = routed.include_usage
+    chunk = chunk_writer(index, include_usage)
+    text_chunk = text_chunk_writer(chunk, fmt)
+    out: list[bytes] = []
+    async with aclosing(batches):
         if fmt.chat:
-            yield chunk(fmt.chunk("", first=True))
-        ev: StreamEvent | None = first
-        while ev is not None:
-            if ev.kind == "error":
-                yield sse(error_for(ev).body())
-                if final:
-                    yield sse("[DONE]")
-                return
-            sent_calls = len(progress.tool_calls)
-            text, calls = progress.on_event(ev)
-            if text or calls:
-                lp = _unsent_logprobs(renderer, progress)
-                yield chunk(fmt.chunk(text, logprobs=lp, tool_calls=calls, first_index=sent_calls))
-            if ev.kind == "done":
-                last = _unsent_logprobs(renderer, progress)
-                yield chunk(fmt.chunk("", progress.finish_reason, logprobs=last))
-                if final:
-                    if include_usage:
-                        yield sse(fmt.usage_chunk(progress.usage))
-                    yield sse("[DONE]")
-                return
-            ev = await anext(events, None)
+            out.append(chunk(fmt.chunk("", first=True)))
+        batch: list[StreamEvent] | None = first
+        while batch is not None:
+            for ev in batch:
+                if ev.kind == "error":
+                    out.append(sse(error_for(ev).body()))
+                    if final:
+                        out.append(sse("[DONE]"))
+                    yield _written(out, final)
+                    return
+                sent = len(progress.tool_calls)
+                text, calls = progress.on_event(ev)
+                if text or calls:
+                    lp = _unsent_logprobs(renderer, progress)
+                    if lp is None and not calls:
+                        out.append(text_chunk(text))
+                    else:
+                        body = fmt.chunk(text, logprobs=lp, tool_calls=calls, first_index=sent)
+                        out.append(chunk(body))
+                if ev.kind == "done":
+                    last = _unsent_logprobs(renderer, progress)
+                    out.append(chunk(fmt.chunk("", progress.finish_reason, logprobs=last)))
+                    if final:
+                        if include_usage:
+                            out.append(sse(fmt.usage_chunk(progress.usage)))
+                        out.append(sse("[DONE]"))
+                    yield _written(out, final)
+                    return
+            if out:
+                yield b"".join(out)
+                out = []
+            batch = await anext(batches, None)
+
+
+def _written(chunks: list[bytes], last: bool) -> bytes:
+    data = b"".join(chunks)
+    return LastWrite(data) if last else data
 
 
 async def _merged(
-    parts: list[tuple[StreamEvent, Events, ChoiceProgress]],
+    parts: list[tuple[list[StreamEvent], Batches, ChoiceProgress]],
     routed: RoutedRequest,
     renderer: LogprobRenderer | None,
 ) -> AsyncIterator[bytes]:
@@ -140,10 +187,12 @@ async def _merged(
     assert fmt is not None
     queue: asyncio.Queue[bytes | None] = asyncio.Queue()
 
-    async def pump(i: int, first: StreamEvent, events: Events, progress: ChoiceProgress) -> None:
+    async def pump(
+        i: int, first: list[StreamEvent], batches: Batches, progress: ChoiceProgress
+    ) -> None:
         try:
             async for data in _chunks(
-                first, events, routed, progress, renderer, index=i, final=False
+                first, batches, routed, progress, renderer, index=i, final=False
             ):
                 await queue.put(data)
         finally:

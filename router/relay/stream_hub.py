@@ -2,11 +2,17 @@
 
 Each streaming request used to hold its own blocked XREAD: one Redis connection and one command
 per request per decode step. The hub issues ONE `XREAD BLOCK` over all active request streams and
-hands each entry to its subscriber's queue, so a step of a 16-sequence batch costs the router one
-read, not sixteen, and connections no longer grow with the number of open streams.
+hands each stream's entries of a read to its subscriber's Feed at once, so a step of a 16-sequence
+batch costs the router one read and one wake-up per stream, not one per event.
 
 A blocked XREAD cannot learn of a new stream, so a new subscription XADDs to this process's own
-wake stream, which every read includes.
+wake stream, which every read includes; a subscription made while the read in flight already
+names it (or while one wake is on its way) needs none.
+
+The read is packed here, not by redis-py: a read names every open stream, and redis-py's packing
+of a few hundred arguments cost more than the reply's parse. Each stream's key is packed once,
+at its subscription, and its last id once per read that moved it; the reply comes back unparsed
+by redis-py (hiredis's lists, no dict per entry).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import asyncio
 import logging
 import uuid
 from contextlib import suppress
-from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 
@@ -29,13 +35,72 @@ BLOCK_MS = 1000
 READ_COUNT = 512
 RETRY_S = 0.5
 
-Entry = tuple[bytes, dict[bytes, bytes]]
+# A wake-up: one entry on the wake stream and its TTL, in one script (one command, and the
+# stream never exists without its TTL).
+WAKE_LUA = """
+redis.call('XADD', KEYS[1], 'MAXLEN', '1', '*', 'w', '1')
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
+
+# One stream entry as the reply holds it: [id, [field, value, field, value, ...]].
+RawEntry = list[Any]
 
 
-@dataclass
+def _bulk(value: bytes) -> bytes:
+    """One RESP bulk string."""
+    return b"$%d\r\n%b\r\n" % (len(value), value)
+
+
+class Feed:
+    """One stream's entries, appended by the hub a read at a time and taken whole by the
+    stream's one reader: a wake-up per read, not per entry."""
+
+    __slots__ = ("_entries", "_waiter")
+
+    def __init__(self) -> None:
+        self._entries: list[RawEntry] = []
+        self._waiter: asyncio.Future[None] | None = None
+
+    def push(self, entries: list[RawEntry]) -> None:
+        self._entries.extend(entries)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def take(self) -> list[RawEntry]:
+        """Every entry not taken yet, oldest first (an empty list when none came)."""
+        entries, self._entries = self._entries, []
+        return entries
+
+    async def wait(self, timeout_s: float) -> bool:
+        """Whether entries are there to take, waiting up to `timeout_s` for them (a timer of
+        the loop's own: asyncio.timeout's cancel machinery cost more than the wait)."""
+        if self._entries:
+            return True
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        timer = loop.call_later(timeout_s, _expire, waiter)
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            timer.cancel()
+        return bool(self._entries)
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 class _Subscription:
-    last_id: bytes | str = "0-0"
-    queue: asyncio.Queue[Entry] = field(default_factory=asyncio.Queue)
+    __slots__ = ("feed", "key_arg", "id_arg")
+
+    def __init__(self, key: bytes) -> None:
+        self.feed = Feed()
+        self.key_arg = _bulk(key)
+        self.id_arg = _bulk(b"0-0")  # every entry the stream has: a worker may write first
 
 
 class StreamHub:
@@ -45,10 +110,17 @@ class StreamHub:
         self._reader = async_client(config)
         self._writer = async_client(config)
         self._wake_key = keys.router_wake(uuid.uuid4().hex)
-        self._wake_last: bytes | str = "$"
-        self._subs: dict[str, _Subscription] = {}
+        self._wake_bkey = self._wake_key.encode()
+        self._wake_arg = _bulk(self._wake_bkey)
+        self._wake_id_arg = _bulk(b"$")
+        self._subs: dict[bytes, _Subscription] = {}
+        self._wake = self._writer.register_script(WAKE_LUA)
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        # A read is in flight, and it names every stream subscribed before it was sent; a wake
+        # is on its way to it (one wake brings it back for every subscription made meanwhile).
+        self._reading = False
+        self._wake_sent = False
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="stream-hub")
@@ -63,44 +135,88 @@ class StreamHub:
         await self._reader.aclose()
         await self._writer.aclose()
 
-    async def subscribe(self, stream: str) -> asyncio.Queue[Entry]:
-        sub = self._subs.setdefault(stream, _Subscription())
+    async def subscribe(self, stream: str) -> Feed:
+        key = stream.encode()
+        sub = self._subs.get(key)
+        if sub is None:
+            sub = self._subs[key] = _Subscription(key)
         self._changed.set()
-        # MULTI/EXEC: the wake stream never exists without its TTL, even if this connection drops
-        # between the two commands.
-        async with self._writer.pipeline(transaction=True) as pipe:
-            pipe.xadd(self._wake_key, {"w": "1"}, maxlen=1)
-            pipe.expire(self._wake_key, keys.REQUEST_TTL_S)
-            await pipe.execute()
-        return sub.queue
+        if self._reading and not self._wake_sent:
+            # The read in flight was sent before this stream was known: bring it back.
+            self._wake_sent = True
+            await self._wake(keys=[self._wake_key], args=[keys.REQUEST_TTL_S])
+        return sub.feed
 
     def unsubscribe(self, stream: str) -> None:
-        self._subs.pop(stream, None)
+        self._subs.pop(stream.encode(), None)
+
+    def _command(self) -> bytes:
+        subs = self._subs.values()
+        n = 1 + len(self._subs)
+        head = b"*%d\r\n$5\r\nXREAD\r\n$5\r\nCOUNT\r\n%b$5\r\nBLOCK\r\n%b$7\r\nSTREAMS\r\n" % (
+            6 + 2 * n,
+            _bulk(b"%d" % READ_COUNT),
+            _bulk(b"%d" % BLOCK_MS),
+        )
+        return b"".join(
+            [
+                head,
+                self._wake_arg,
+                *[s.key_arg for s in subs],
+                self._wake_id_arg,
+                *[s.id_arg for s in subs],
+            ]
+        )
 
     async def _run(self) -> None:
+        pool = self._reader.connection_pool
+        conn = None
         while True:
             if not self._subs:
                 self._changed.clear()
                 await self._changed.wait()
-            streams: dict[str, bytes | str] = {self._wake_key: self._wake_last}
-            streams.update({k: s.last_id for k, s in self._subs.items()})
             try:
-                reply = await self._reader.xread(streams, count=READ_COUNT, block=BLOCK_MS)
-            except redis.RedisError as exc:  # Redis restarting: keep trying, requests time out
+                if conn is None:
+                    conn = await pool.get_connection()
+                # Sent and read without an await between building the command and marking the
+                # read in flight: a subscription either is in this command or sees _reading.
+                command = self._command()
+                self._wake_sent = False
+                self._reading = True
+                try:
+                    await conn.send_packed_command(command, check_health=False)
+                    reply = await conn.read_response(disable_decoding=True)
+                finally:
+                    self._reading = False
+            except (redis.RedisError, OSError) as exc:  # Redis restarting: keep trying
                 log.warning("stream hub: XREAD failed (%s); retrying", exc)
+                if conn is not None:
+                    with suppress(Exception):
+                        await conn.disconnect()
+                    with suppress(Exception):
+                        await pool.release(conn)
+                    conn = None
                 await asyncio.sleep(RETRY_S)
                 continue
-            self._dispatch(reply or [])
+            if reply:
+                self._dispatch(reply)
+                # The readers it woke run first: meanwhile the rest of a worker's step lands
+                # (its pipeline wakes a blocked read at its first write), and the next read
+                # takes it whole.
+                await asyncio.sleep(0)
 
-    def _dispatch(self, reply: list[tuple[bytes, list[Entry]]]) -> None:
-        for raw_key, entries in reply:
-            key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
-            if key == self._wake_key:
-                self._wake_last = entries[-1][0]
+    def _dispatch(self, reply: list[Any] | dict[bytes, Any]) -> None:
+        """The reply's entries to their feeds: RESP2 answers a list of [key, entries], RESP3 a
+        map of key to entries."""
+        pairs = reply.items() if isinstance(reply, dict) else reply
+        for key, entries in pairs:
+            if not entries:
                 continue
+            last = _bulk(entries[-1][0])
             sub = self._subs.get(key)
             if sub is None:
+                if key == self._wake_bkey:
+                    self._wake_id_arg = last
                 continue
-            for entry in entries:
-                sub.queue.put_nowait(entry)
-            sub.last_id = entries[-1][0]
+            sub.id_arg = last
+            sub.feed.push(entries)

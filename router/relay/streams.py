@@ -13,6 +13,7 @@ import anyio
 import orjson
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from starlette.types import Send
 
 from router.edge.errors import APIError
 from router.relay.progress import ChoiceProgress, error_for
@@ -26,6 +27,7 @@ from shared.wire import StreamEvent
 WORKER_HEADER = "X-Mlxcel-Worker"
 
 Events = AsyncIterator[StreamEvent]
+Batches = AsyncIterator[list[StreamEvent]]  # a choice's events, a stream read's worth at a time
 
 
 def served_by(worker_id: str | None) -> dict[str, str]:
@@ -88,18 +90,47 @@ async def coalesced(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
             await asyncio.gather(task, return_exceptions=True)
 
 
-def sse_response(chunks: AsyncIterator[bytes], first: StreamEvent) -> StreamingResponse:
-    """The streamed answer: `chunks` coalesced per write, the SSE headers (the worker that took
-    the request, from its first event)."""
-    return StreamingResponse(
-        coalesced(chunks), media_type="text/event-stream", headers=sse_headers(first)
-    )
+class LastWrite(bytes):
+    """A response's last chunk: it goes out with the body's end in one write, so a client that
+    stops reading at its last event finds the response complete (and keeps the connection)."""
+
+
+class SSEResponse(StreamingResponse):
+    async def stream_response(self, send: Send) -> None:
+        start = {"type": "http.response.start", "status": self.status_code}
+        await send({**start, "headers": self.raw_headers})
+        more = True
+        async for chunk in self.body_iterator:  # to its end: its cleanup runs in it
+            if more:
+                more = not isinstance(chunk, LastWrite)
+                await send({"type": "http.response.body", "body": chunk, "more_body": more})
+        if more:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def sse_response(
+    chunks: AsyncIterator[bytes], first: StreamEvent, coalesce: bool = True
+) -> StreamingResponse:
+    """The streamed answer: `chunks` coalesced per write (`coalesce` False: chunks that already
+    are a stream read's writes each, sent as they come, the last a LastWrite), the SSE headers
+    (the worker that took the request, from its first event)."""
+    body = coalesced(chunks) if coalesce else chunks
+    return SSEResponse(body, media_type="text/event-stream", headers=sse_headers(first))
 
 
 def open_streams(request: Request, state: RouterState, routed: RoutedRequest) -> list[Events]:
     """Each choice's events (routed.start_relay() made their progress)."""
     return [
         state.dispatcher.events(gen, request.is_disconnected, streamed=routed.stream)
+        for gen in routed.gens
+    ]
+
+
+def open_batches(request: Request, state: RouterState, routed: RoutedRequest) -> list[Batches]:
+    """Each choice's events, a stream read's worth at a time (routed.start_relay() made their
+    progress)."""
+    return [
+        state.dispatcher.batches(gen, request.is_disconnected, streamed=routed.stream)
         for gen in routed.gens
     ]
 
@@ -140,5 +171,20 @@ async def first_events(streams: list[Events]) -> list[StreamEvent]:
             if first is None:
                 raise APIError.of(ErrorKind.CLIENT_CLOSED, "The client closed the request.")
             raise error_for(first)
+        firsts.append(first)
+    return firsts
+
+
+async def first_batches(streams: list[Batches]) -> list[list[StreamEvent]]:
+    """Every choice's first batch before the 200, so an early failure keeps its status code."""
+    firsts: list[list[StreamEvent]] = []
+    for batches in streams:
+        first = await anext(batches, None)
+        if first is None or first[0].kind == "error":
+            for other in streams:
+                await other.aclose()
+            if first is None:
+                raise APIError.of(ErrorKind.CLIENT_CLOSED, "The client closed the request.")
+            raise error_for(first[0])
         firsts.append(first)
     return firsts

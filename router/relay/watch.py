@@ -1,5 +1,6 @@
-"""One attempt's watch over its stream: relay the hub's entries in order, and between them
-notice a vanished client, a finished, failed or lost job, or the request timeout.
+"""One attempt's watch over its stream: relay the hub's entries in order, a read's worth at a
+time, and between them notice a vanished client, a finished, failed or lost job, or the request
+timeout.
 
 The watch is a small state machine over what rq last said of the job (`Phase`); its clocks
 (`last_event_at`, the next job and client checks) are fields, not loop locals.
@@ -7,16 +8,16 @@ The watch is a small state machine over what rq last said of the job (`Phase`); 
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from router.relay.attempt import Attempt, JobState
-from router.relay.stream_hub import Entry
+from router.relay.event_decode import decode_entry, error_event
+from router.relay.stream_hub import Feed
 from shared.errors import ErrorKind
-from shared.wire import STREAM_FIELD, StreamEvent, WireError
+from shared.wire import StreamEvent
 
 # How long a request waits on its stream before it checks its client and its job.
 IDLE_CHECK_S = 1.0
@@ -42,7 +43,7 @@ class Watch:
     and whether the stream holds entries not relayed yet."""
 
     attempt: Attempt
-    queue: asyncio.Queue[Entry]
+    feed: Feed
     disconnected: Disconnected | None
     in_flow: bool  # a non-streamed request: only it asks after its client while tokens flow
     request_timeout_s: float
@@ -58,17 +59,27 @@ class Watch:
         self.next_job_check = self.last_event_at + JOB_CHECK_INTERVAL_S
         self.next_client_check = self.last_event_at + CLIENT_CHECK_S
 
-    async def events(self) -> AsyncIterator[StreamEvent]:
+    async def batches(self) -> AsyncIterator[list[StreamEvent]]:
+        """The events in order, each list what one stream read brought (never empty)."""
         while True:
-            fields = await self._next_entry()
+            entries = self.feed.take()
+            if not entries and await self.feed.wait(IDLE_CHECK_S):
+                entries = self.feed.take()
             now = time.monotonic()
-            if fields is not None:
-                event, end = self._relay(_decode(fields))
-                if event is not None:
-                    yield event
+            if entries:
+                batch: list[StreamEvent] = []
+                end = False
+                for _, fields in entries:
+                    event, end = self._relay(decode_entry(fields))
+                    if event is not None:
+                        batch.append(event)
+                    if end:
+                        break
+                if batch:
+                    yield batch
                 if end:
                     return
-                if event is not None:
+                if batch:
                     self.last_event_at = now
                     # A client that left is let go within a step even while tokens flow; a
                     # streamed response learns it from its next send, so only a non-streamed
@@ -80,21 +91,9 @@ class Watch:
                 continue
             end_event, end = await self._quiet(now)
             if end_event is not None:
-                yield end_event
+                yield [end_event]
             if end:
                 return
-
-    async def _next_entry(self) -> dict[bytes, bytes] | None:
-        # Per streamed token: take what the hub already queued without a wait; otherwise wait
-        # under asyncio.timeout (wait_for would wrap each get in a new task).
-        try:
-            return self.queue.get_nowait()[1]
-        except asyncio.QueueEmpty:
-            try:
-                async with asyncio.timeout(IDLE_CHECK_S):
-                    return (await self.queue.get())[1]
-            except TimeoutError:
-                return None
 
     def _relay(self, event: StreamEvent) -> tuple[StreamEvent | None, bool]:
         """(the event to relay, whether the watch ends): a duplicate is dropped, a gap ends the
@@ -143,18 +142,3 @@ class Watch:
         if state.lost is not None:
             return error_event(ErrorKind.WORKER_LOST, state.lost), True
         return None, False
-
-
-def _decode(fields: dict[bytes, bytes]) -> StreamEvent:
-    data = fields.get(STREAM_FIELD)
-    if data is None:
-        return error_event(JOB_FAILED, "a stream entry without the event field")
-    try:
-        return StreamEvent.from_wire(data)
-    except (WireError, ValueError) as exc:
-        return error_event(JOB_FAILED, f"an unreadable stream entry: {exc}")
-
-
-def error_event(error_type: str, message: str) -> StreamEvent:
-    """An `error` event the router makes up (the worker never sends these)."""
-    return StreamEvent(kind="error", error=message, error_type=str(error_type))
