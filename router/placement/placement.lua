@@ -58,20 +58,32 @@ if #members > 0 then
     string.format(string.rep('%02x', #m), string.byte(m, 1, -1)))
 end
 
+-- A request off the table, with its entries on its worker.
+local function take_off(id)
+  local wid = unplace(KEYS[6], KEYS[7], id)
+  if wid then
+    redis.call('ZREM', load_key(wid), id)
+    redis.call('HDEL', prefill_key(wid), id)
+  end
+end
+
 -- Lapsed reservations (a crashed router's) go, with their tokens and their place on a worker.
 local lapsed = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
 for i = 1, #lapsed, 1000 do
-  local chunk = {unpack(lapsed, i, math.min(i + 999, #lapsed))}
-  redis.call('HDEL', KEYS[2], unpack(chunk))
-  for _, id in ipairs(chunk) do
-    local wid = unplace(KEYS[6], KEYS[7], id)
-    if wid then
-      redis.call('ZREM', load_key(wid), id)
-      redis.call('HDEL', prefill_key(wid), id)
-    end
+  redis.call('HDEL', KEYS[2], unpack(lapsed, i, math.min(i + 999, #lapsed)))
+end
+for _, id in ipairs(lapsed) do take_off(id) end
+if #lapsed > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now) end
+-- An entry whose reservation is gone all the same (purged by a router that keeps no table, or
+-- deleted by hand) goes when a decision samples it: two a decision, so the table converges on
+-- the ledger instead of counting such a request for ever.
+local sample = redis.call('HRANDFIELD', KEYS[6], 2)
+if #sample > 0 then
+  local held = redis.call('ZMSCORE', KEYS[1], unpack(sample))
+  for i, id in ipairs(sample) do
+    if not held[i] then take_off(id) end
   end
 end
-if #lapsed > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now) end
 
 -- A hash read whole, as a table (one call, linear in its size).
 local function hash_table(key)
@@ -121,11 +133,7 @@ for i = 1, #roster do
     if mine then
       local w = {wid = wid, epoch = epoch, running = 0, queued = 0, cached = 0, unit = 1,
                  every = 0}
-      local load = loads[wid]
-      if load then
-        local n, q = string.match(load, '^(%-?%d+) (%-?%d+)$')
-        w.running, w.queued = tonumber(n), tonumber(q)
-      end
+      if loads[wid] then w.running, w.queued = pair(loads[wid]) end
       -- A paged cache adopts whole pages: what it can reuse is floored to its page size.
       if mode == 'paged' then w.unit = math.max(tonumber(page) or 1, 1) end
       -- A snapshot cache resumes only where it kept a checkpoint: its index holds just those
@@ -199,21 +207,40 @@ local function resumable_tokens(w)
   return 0
 end
 
+-- The prompt's leading blocks the worker holds or was sent (each one either), as tokens.
 local function cached_tokens(w)
   if #members == 0 then return 0 end
   if w.snapshot then return resumable_tokens(w) end
-  local blocks = blocks_key(w)
-  local first_routed = routed_first(w)
-  if not first_routed and redis.call('SISMEMBER', blocks, members[1]) == 0 then return 0 end
-  local routed = routed_key(w.wid)
-  local held = redis.call('SMISMEMBER', blocks, unpack(members))
+  local n, blocks, sent = #members, blocks_key(w), routed_first(w)
   local k = 0
-  while k < #members and held[k + 1] == 1 do k = k + 1 end
-  if k < #members and (first_routed or redis.call('ZCARD', routed) > 0) then
-    local marks = redis.call('ZMSCORE', routed, unpack(members, k + 1))
-    local j = 1
-    while k < #members and (held[k + 1] == 1 or (marks[j] and tonumber(marks[j]) > now)) do
-      k, j = k + 1, j + 1
+  if not sent then
+    if redis.call('SISMEMBER', blocks, members[1]) == 0 then return 0 end
+    k = 1
+  end
+  local routed, marks, from = routed_key(w.wid), {}, k
+  if k < n and (sent or redis.call('ZCARD', routed) > 0) then
+    marks = redis.call('ZMSCORE', routed, unpack(members, k + 1, n))
+  end
+  local function marked(i) return marks[i - from] and tonumber(marks[i - from]) > now end
+  while k < n and marked(k + 1) do k = k + 1 end
+  if k < n then
+    -- Where the marks end, the worker's index: past a run of marks (blocks still on their way)
+    -- the next block alone first, as it mostly ends the match; else the rest of the prompt.
+    local held, base = nil, k
+    if k > from then
+      if redis.call('SISMEMBER', blocks, members[k + 1]) == 1 then
+        held = {1}
+        if k + 1 < n then
+          for _, v in ipairs(redis.call('SMISMEMBER', blocks, unpack(members, k + 2, n))) do
+            held[#held + 1] = v
+          end
+        end
+      end
+    else
+      held = redis.call('SMISMEMBER', blocks, unpack(members, k + 1, n))
+    end
+    if held then
+      while k < n and (held[k + 1 - base] == 1 or marked(k + 1)) do k = k + 1 end
     end
   end
   local tokens = math.min(k * block_size, prompt - 1)
