@@ -1,11 +1,29 @@
-"""A request stream's entry, as the stream hub hands it over, and the StreamEvent it holds."""
+"""A request stream's entry, as the stream hub hands it over, and the StreamEvent it holds.
+
+Decoded once per relayed token. `StreamEvent.from_wire` checks each field's name and exact type
+one by one; an event's shape (its field names in order, and their types) repeats from token to
+token, so a shape from_wire accepted once is known again by one dict lookup. What depends on
+the values (the kind, the token ids) is checked every time, and an event with logprobs, or of a
+shape not seen yet, goes through from_wire whole: either way the event equals the one from_wire
+makes, and a bad entry is the same `error` event with from_wire's message.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from shared.errors import ErrorKind
-from shared.wire import STREAM_FIELD, StreamEvent, WireError
+from shared.wire import STREAM_FIELD, StreamEvent, WireError, unpack
+
+Shape = tuple[tuple[str, ...], tuple[type, ...]]
+# Shapes are few (a worker writes three or four); the bound only keeps odd writers from growing it.
+MAX_SHAPES = 64
+# A shape from_wire took -> the fields it lacks: those with a scalar default, and those whose
+# default is a list (each event gets a new one, as the dataclass makes them).
+_shapes: dict[Shape, tuple[dict[str, Any], tuple[str, ...]]] = {}
+_DEFAULTS: dict[str, Any] = vars(StreamEvent(kind="delta"))
+_KINDS = StreamEvent.KINDS
+_new = object.__new__
 
 
 def entry_payload(fields: list[Any]) -> bytes | None:
@@ -23,10 +41,67 @@ def decode_entry(fields: list[Any]) -> StreamEvent:
     data = entry_payload(fields)
     if data is None:
         return error_event(ErrorKind.JOB_FAILED, "a stream entry without the event field")
+    return decode_event(data)
+
+
+def decode_event(data: bytes) -> StreamEvent:
+    """StreamEvent.from_wire(data), or the `error` event that says why it failed."""
+    try:
+        message = unpack(data)
+    except Exception:  # not msgpack: from_wire says how
+        return _checked(data)
+    if type(message) is not dict:
+        return _checked(data)
+    shape = (tuple(message), tuple(map(type, message.values())))
+    lacking = _shapes.get(shape)
+    if (
+        lacking is not None
+        and message["kind"] in _KINDS
+        and not message.get("logprobs")
+        and not message.get("prompt_logprobs")
+        and _ints(message.get("token_ids", ()))
+    ):
+        scalars, lists = lacking
+        if scalars:
+            message.update(scalars)
+        for name in lists:
+            message[name] = []
+        event = _new(StreamEvent)
+        event.__dict__ = message  # its fields as sent, then those it lacked at their defaults
+        return event  # type: ignore[no-any-return]
+    try:
+        event = StreamEvent.from_wire(data)
+    except (WireError, ValueError) as exc:
+        return _unreadable(exc)
+    if len(_shapes) < MAX_SHAPES:  # from_wire took it: its shape passes from_wire's checks
+        _shapes[shape] = _lacking(message)
+    return event
+
+
+def _ints(values: Any) -> bool:
+    # A loop, not all() over a generator: a delta holds a token or a few, and the generator's
+    # setup cost more than the checks.
+    for value in values:  # noqa: SIM110
+        if type(value) is not int:
+            return False
+    return True
+
+
+def _lacking(message: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
+    absent = [name for name in _DEFAULTS if name not in message]
+    scalars = {n: _DEFAULTS[n] for n in absent if not isinstance(_DEFAULTS[n], list)}
+    return scalars, tuple(n for n in absent if isinstance(_DEFAULTS[n], list))
+
+
+def _checked(data: bytes) -> StreamEvent:
     try:
         return StreamEvent.from_wire(data)
     except (WireError, ValueError) as exc:
-        return error_event(ErrorKind.JOB_FAILED, f"an unreadable stream entry: {exc}")
+        return _unreadable(exc)
+
+
+def _unreadable(exc: Exception) -> StreamEvent:
+    return error_event(ErrorKind.JOB_FAILED, f"an unreadable stream entry: {exc}")
 
 
 def error_event(error_type: str, message: str) -> StreamEvent:

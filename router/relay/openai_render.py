@@ -109,8 +109,9 @@ _PROBE = f"\x00{uuid.uuid4().hex}\x00"
 def text_chunk_writer(
     chunk: Callable[[dict[str, Any]], bytes], fmt: ResponseFormat
 ) -> Callable[[str], bytes]:
-    """A text-only chunk's SSE bytes from the request's own template: the bytes `chunk` makes of
-    `fmt.chunk(text)`, cut once around the text, so per token only the text is encoded."""
+    """A chunk of text alone (not empty: a chat delta without text has no `content`) as SSE
+    bytes from the request's own template: the bytes `chunk` makes of `fmt.chunk(text)`, cut
+    once around the text, so per token only the text is encoded."""
     head, tail = chunk(fmt.chunk(_PROBE)).split(orjson.dumps(_PROBE))
 
     def text_chunk(text: str) -> bytes:
@@ -148,7 +149,8 @@ async def _chunks(
                         out.append(sse("[DONE]"))
                     yield _written(out, final)
                     return
-                sent = len(progress.tool_calls)
+                tools = progress.tool_stream
+                sent = len(tools.calls) if tools is not None else 0
                 text, calls = progress.on_event(ev)
                 if text or calls:
                     lp = _unsent_logprobs(renderer, progress)

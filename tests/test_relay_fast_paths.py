@@ -1,0 +1,293 @@
+"""The relay's per-token shortcuts give what the long ways give: the stream hub over a real Redis
+(RESP2 and RESP3) hands each stream its entries once and in order, a read at a time, and wakes a
+read in flight for a stream subscribed meanwhile; an entry decodes to the event (or the error)
+StreamEvent.from_wire makes, its shape known or not; a text chunk from its template is the bytes
+the chunk's dict makes; an SSE response's last write carries the body's end."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgpack
+import pytest
+import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.edge.openai_types import ResponseFormat
+from router.relay import stream_hub
+from router.relay.event_decode import decode_entry, decode_event
+from router.relay.openai_render import chunk_writer, text_chunk_writer
+from router.relay.stream_hub import Feed, StreamHub
+from router.relay.streams import LastWrite, sse_response
+from shared import keys
+from shared.config import RedisConfig
+from shared.wire import STREAM_FIELD, StreamEvent, WireError
+
+# --- the stream hub ---------------------------------------------------------------------------
+
+
+def _events(feed: Feed) -> list[StreamEvent]:
+    return [decode_entry(fields) for _, fields in feed.take()]
+
+
+async def _gather(feed: Feed, n: int) -> list[StreamEvent]:
+    """`n` events from the feed (failing after a long wait: nothing is timed here)."""
+    got: list[StreamEvent] = []
+    while len(got) < n:
+        assert await feed.wait(30.0), f"{len(got)} of {n} events came"
+        got += _events(feed)
+    return got
+
+
+def _write(r: redis.Redis, stream: str, seqs: range) -> None:
+    with r.pipeline(transaction=False) as pipe:
+        for seq in seqs:
+            event = StreamEvent(kind="delta", seq=seq, text=f"t{seq}", token_ids=[seq + 5])
+            pipe.xadd(stream, {STREAM_FIELD: event.to_wire()})
+        pipe.execute()
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_the_hub_hands_each_stream_its_entries_once_and_in_order(
+    redis_url: str, protocol: int
+) -> None:
+    r = redis.Redis.from_url(redis_url)
+    streams = [keys.request_stream(f"hub-{uuid.uuid4().hex}") for _ in range(3)]
+    _write(r, streams[0], range(0, 2))  # written before the subscription: read from the start
+
+    async def run() -> dict[str, list[int]]:
+        hub = StreamHub(RedisConfig(url=f"{redis_url}?protocol={protocol}"))
+        await hub.start()
+        try:
+            feeds = [await hub.subscribe(s) for s in streams]
+            await asyncio.to_thread(_write, r, streams[1], range(0, 3))
+            await asyncio.to_thread(_write, r, streams[0], range(2, 5))
+            await asyncio.to_thread(_write, r, streams[2], range(0, 1))
+            got = [await _gather(f, n) for f, n in zip(feeds, (5, 3, 1), strict=True)]
+            return {s: [e.seq for e in events] for s, events in zip(streams, got, strict=True)}
+        finally:
+            await hub.stop()
+
+    seqs = asyncio.run(run())
+    assert seqs == {streams[0]: [0, 1, 2, 3, 4], streams[1]: [0, 1, 2], streams[2]: [0]}
+
+
+def test_a_stream_subscribed_while_a_read_blocks_wakes_it(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a block far longer than the wait below, only the wake brings the blocked read back
+    to name the new streams; several subscribed during one read share one wake."""
+    monkeypatch.setattr(stream_hub, "BLOCK_MS", 600_000)
+    r = redis.Redis.from_url(redis_url)
+    first = keys.request_stream(f"hub-{uuid.uuid4().hex}")
+    later = [keys.request_stream(f"hub-{uuid.uuid4().hex}") for _ in range(3)]
+
+    async def run() -> list[list[int]]:
+        hub = StreamHub(RedisConfig(url=redis_url))
+        await hub.start()
+        try:
+            feed = await hub.subscribe(first)
+            await asyncio.to_thread(_write, r, first, range(0, 1))
+            await _gather(feed, 1)  # the hub reads, then blocks again with `first` alone
+            while not hub._reading:
+                await asyncio.sleep(0.01)
+            feeds = [await hub.subscribe(s) for s in later]
+            for s in later:
+                await asyncio.to_thread(_write, r, s, range(0, 2))
+            return [[e.seq for e in await _gather(f, 2)] for f in feeds]
+        finally:
+            await hub.stop()
+
+    assert asyncio.run(run()) == [[0, 1]] * 3
+
+
+def test_a_feed_wait_with_nothing_to_take_says_so() -> None:
+    async def run() -> tuple[bool, bool, int]:
+        feed = Feed()
+        empty = await feed.wait(0.01)
+        feed.push([[b"1-0", [STREAM_FIELD, b"x"]]])
+        return empty, await feed.wait(0.01), len(feed.take())
+
+    assert asyncio.run(run()) == (False, True, 1)
+
+
+# --- decoding ---------------------------------------------------------------------------------
+
+_TEXT = st.text(st.characters(codec="utf-8"), max_size=8)
+_IDS = st.lists(st.integers(min_value=0, max_value=2**31), max_size=4)
+_FLOAT = st.floats(min_value=-50, max_value=0, allow_nan=False)
+_ENTRY = st.tuples(_FLOAT, st.lists(st.integers(0, 1000), max_size=3)).map(
+    lambda t: [t[0], t[1], [-1.5] * len(t[1])]
+)
+
+
+@st.composite
+def _worker_events(draw: st.DrawFn) -> StreamEvent:
+    kind = draw(st.sampled_from(["start", "delta", "done", "error"]))
+    ids = draw(_IDS)
+    return StreamEvent(
+        kind=kind,
+        seq=draw(st.integers(0, 10_000)),
+        text=draw(_TEXT),
+        token_ids=ids,
+        logprobs=draw(
+            st.one_of(st.just([]), st.lists(_ENTRY, min_size=len(ids), max_size=len(ids)))
+        ),
+        prompt_logprobs=draw(st.one_of(st.just([]), st.lists(_ENTRY, max_size=2))),
+        finish_reason=draw(st.sampled_from([None, "stop", "length"])),
+        prompt_tokens=draw(st.integers(0, 99)),
+        completion_tokens=draw(st.integers(0, 99)),
+        cached_tokens=draw(st.integers(0, 99)),
+        worker_id=draw(st.sampled_from(["", "w1"])),
+        error=draw(st.sampled_from(["", "boom"])),
+        error_type=draw(st.sampled_from(["", "server_error"])),
+        stop_str=draw(st.sampled_from([None, "END"])),
+    )
+
+
+def _from_wire_or_error(data: bytes) -> StreamEvent | str:
+    try:
+        return StreamEvent.from_wire(data)
+    except (WireError, ValueError) as exc:
+        return f"an unreadable stream entry: {exc}"
+
+
+def _as_decoded(event: StreamEvent) -> StreamEvent | str:
+    if event.kind == "error" and event.error.startswith("an unreadable stream entry: "):
+        return event.error
+    return event
+
+
+@settings(max_examples=300, deadline=None)
+@given(_worker_events())
+def test_an_event_decodes_as_from_wire_decodes_it(event: StreamEvent) -> None:
+    data = event.to_wire()
+    for _ in range(2):  # the second time its shape is known
+        assert decode_event(data) == StreamEvent.from_wire(data) == event
+
+
+_NEAR_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 3),
+    st.floats(allow_nan=False),
+    _TEXT,
+    st.lists(st.one_of(st.integers(-2, 2), _TEXT, st.none()), max_size=3),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    _worker_events(),
+    st.dictionaries(
+        st.sampled_from(sorted(StreamEvent.WIRE_TYPES) + ["odd"]), _NEAR_VALUES, max_size=3
+    ),
+)
+def test_a_near_miss_decodes_as_from_wire_decodes_it(
+    event: StreamEvent, changes: dict[str, Any]
+) -> None:
+    """A worker's event with some fields swapped for values of any type: whatever from_wire
+    makes of it (an event, or an error), decode_event makes too, before and after the shape of
+    the same fields with the right types is known."""
+    message = {**msgpack.unpackb(event.to_wire()), **changes}
+    data = msgpack.packb(message, use_bin_type=True)
+    good = event.to_wire()
+    for _ in range(2):
+        assert _as_decoded(decode_event(data)) == _from_wire_or_error(data)
+        decode_event(good)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\xc1",  # not msgpack
+        msgpack.packb([1, 2]),
+        msgpack.packb({"kind": "delta", "seq": 0, "text": "a", "token_ids": [1, "2"]}),
+        msgpack.packb({"kind": "later", "seq": 0, "text": "a", "token_ids": [1]}),
+        msgpack.packb({"kind": "delta", "seq": True, "text": "a", "token_ids": [1]}),
+        msgpack.packb(
+            {"kind": "delta", "seq": 0, "text": "a", "token_ids": [1], "logprobs": [[0.0]]}
+        ),
+    ],
+)
+def test_a_bad_entry_of_a_known_shape_is_the_error_from_wire_gives(data: bytes) -> None:
+    ok = msgpack.packb({"kind": "delta", "seq": 0, "text": "a", "token_ids": [1]})
+    decode_event(ok)  # the shape of the last three, with good values, is known
+    assert _as_decoded(decode_event(data)) == _from_wire_or_error(data)
+    assert isinstance(_from_wire_or_error(data), str)
+
+
+def test_an_entry_without_the_event_field_is_an_error_event() -> None:
+    event = decode_entry([b"other", b"x"])
+    assert event.kind == "error" and "without the event field" in event.error
+    good = StreamEvent(kind="delta", seq=1, text="x").to_wire()
+    assert decode_entry([b"other", b"x", STREAM_FIELD, good]).text == "x"
+
+
+# --- rendering --------------------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.text(st.characters(codec="utf-8"), min_size=1, max_size=12),
+    st.booleans(),
+    st.sampled_from([0, 1, 3]),
+    st.booleans(),
+    st.sampled_from(["m", 'a "quoted" \\ model', "modèle-✓"]),
+)
+def test_a_text_chunk_from_its_template_is_the_chunk_its_dict_makes(
+    text: str, chat: bool, index: int, include_usage: bool, model: str
+) -> None:
+    """Any text the relay writes with the template: a chunk without text (a chat delta without
+    content) is made from its dict."""
+    fmt = ResponseFormat(chat=chat, model=model)
+    chunk = chunk_writer(index, include_usage)
+    assert text_chunk_writer(chunk, fmt)(text) == chunk(fmt.chunk(text))
+
+
+def _asgi(chunks: list[bytes]) -> tuple[list[dict[str, Any]], bool]:
+    """The ASGI messages an SSE response of these chunks sends, and whether its chunk iterator
+    ran to its end."""
+    sent: list[dict[str, Any]] = []
+    ended = False
+
+    async def body() -> AsyncIterator[bytes]:
+        nonlocal ended
+        try:
+            for c in chunks:
+                yield c
+        finally:
+            ended = True
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.Event().wait()  # the client never leaves
+        raise AssertionError
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    first = StreamEvent(kind="start", worker_id="w1")
+    scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
+    asyncio.run(sse_response(body(), first, coalesce=False)(scope, receive, send))
+    return sent, ended
+
+
+def test_an_sse_responses_last_write_carries_the_end_of_its_body() -> None:
+    sent, ended = _asgi([b"data: 1\n\n", LastWrite(b"data: 2\n\ndata: [DONE]\n\n")])
+    assert [m["type"] for m in sent] == ["http.response.start"] + ["http.response.body"] * 2
+    assert dict(sent[0]["headers"])[b"x-mlxcel-worker"] == b"w1"
+    assert [(m["body"], m["more_body"]) for m in sent[1:]] == [
+        (b"data: 1\n\n", True),
+        (b"data: 2\n\ndata: [DONE]\n\n", False),
+    ]
+    assert ended
+
+
+def test_an_sse_response_without_a_last_write_ends_with_an_empty_one() -> None:
+    sent, ended = _asgi([b"data: 1\n\n"])
+    assert [(m["body"], m["more_body"]) for m in sent[1:]] == [(b"data: 1\n\n", True), (b"", False)]
+    assert ended
