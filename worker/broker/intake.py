@@ -99,17 +99,25 @@ class PoolJob(Job):
 # write after its router deleted it (the request ended, or the pool failed it and moved on) never
 # brings it back; and it is never written once the request's cancel flag is up (its router has
 # moved on: a worker that was found dead and goes on, for the step before it notices, writes
-# nothing for nobody). KEYS: the stream, the request's cancel flag; ARGV: its TTL, the event
-# field, 1 when these events start the stream (else 0), the packed events.
-_APPEND_SCRIPT = """
-if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
-if ARGV[3] ~= '1' and redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-for i = 4, #ARGV do
-  redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[i])
+# nothing for nobody). `append(stream, cancel, ttl, field, first, args, from, to)` writes
+# args[from..to]; `first` is '1' when these events start the stream (else '0'). The publisher's
+# step script (worker.broker.publisher) calls the same function, so both keep one rule.
+APPEND_LUA = """
+local function append(stream, cancel, ttl, fld, first, args, from, to)
+  if redis.call('EXISTS', cancel) == 1 then return 0 end
+  if first ~= '1' and redis.call('EXISTS', stream) == 0 then return 0 end
+  for i = from, to do
+    redis.call('XADD', stream, '*', fld, args[i])
+  end
+  redis.call('EXPIRE', stream, ttl)
+  return 1
 end
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-return 1
 """
+# KEYS: the stream, the request's cancel flag; ARGV: its TTL, the event field, the first flag,
+# the packed events.
+_APPEND_SCRIPT = (
+    APPEND_LUA + "return append(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV, 4, #ARGV)\n"
+)
 
 
 def append_events(

@@ -1,26 +1,32 @@
 """The worker's one Redis round trip per step.
 
-Each step's pipeline carries: every request's new stream events (one script per stream: its XADDs
-and its TTL in one atomic write, so no stream ever exists without a TTL, and one a router deleted
-is never created again by a later step's events; one EXPIRE per stream per step, not per token),
+Each step's pipeline carries: every request's new stream events (each stream's XADDs and its TTL
+in one atomic write, so no stream ever exists without a TTL, and one a router deleted is never
+created again by a later step's events; one EXPIRE per stream per step, not per token),
 the rq bookkeeping of jobs that ended (as `JobEnd` data), the drained counter deltas (HINCRBY on
 a hash that never expires, so counts never go backwards or vanish with the worker), the last
 reject, rq's busy state, liveness and gauges (at most once a second, through `presence`), and
 the reads the loop needs: cancel flags of running requests, control commands, how many jobs are
 queued, and whether a peer has found this worker dead (read with the cancel flags, so the loop
 never acts on what this publish read without knowing it).
+
+What a steady decode step sends (the appends, the counters that moved, the reads) is one script,
+`STEP_LUA`, as one EVALSHA: redis-py packs and parses one command per step instead of one per
+stream, counter and read, CPU the worker's own threads need. The rarer parts (block index, job
+ends, the last reject, busy changes, the beat) stay ordinary commands around it.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 
 from shared import keys
-from shared.wire import ControlCommand, WireError
-from worker.broker.intake import JobEnd, RqIntake, TakenJob, append_events
+from shared.wire import STREAM_FIELD, ControlCommand, WireError
+from worker.broker.intake import APPEND_LUA, JobEnd, RqIntake, TakenJob
 from worker.broker.presence import WorkerPresence
 
 
@@ -71,6 +77,47 @@ class PublishResult:
         )
 
 
+# One step's appends, counter deltas and reads. Each stream's events go through intake's
+# `append` (the one stream rule); the counters only add (HINCRBY), so nothing counts twice; the
+# reads come after every write of the script, as the pipeline's reads did. KEYS: the reaped claim,
+# the control list, the counters hash, the queues (nq), each stream and its cancel flag (ns
+# pairs), the watched requests' cancel flags (nw). ARGV: the stream TTL, the event field, nq, ns,
+# nw, the number of counters nc, nc (name, delta) pairs, then per stream its first flag, its
+# event count n and its n packed events. Returns {reaped 0/1, a 0/1 per watched id, the control
+# commands popped, the jobs queued}.
+STEP_LUA = (
+    APPEND_LUA
+    + """
+local ttl, fld = ARGV[1], ARGV[2]
+local nq, ns, nw, nc = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local k, a = 4 + nq, 7 + 2 * nc
+for _ = 1, ns do
+  local n = tonumber(ARGV[a + 1])
+  append(KEYS[k], KEYS[k + 1], ttl, fld, ARGV[a], ARGV, a + 2, a + 1 + n)
+  k, a = k + 2, a + 2 + n
+end
+for c = 7, 6 + 2 * nc, 2 do
+  redis.call('HINCRBY', KEYS[3], ARGV[c], ARGV[c + 1])
+end
+local reaped = redis.call('EXISTS', KEYS[1])
+local cancelled = {}
+if nw > 0 then
+  local flags = redis.call('MGET', unpack(KEYS, k, k + nw - 1))
+  for i = 1, nw do
+    cancelled[i] = flags[i] and 1 or 0
+  end
+end
+local commands = redis.call('LPOP', KEYS[2], 16) or {}
+local queued = 0
+for q = 4, 3 + nq do
+  queued = queued + redis.call('LLEN', KEYS[q])
+end
+return {reaped, cancelled, commands, queued}
+"""
+)
+STEP_SHA = hashlib.sha1(STEP_LUA.encode()).hexdigest()
+
+
 class Publisher:
     def __init__(self, presence: WorkerPresence, intake: RqIntake) -> None:
         self.r: redis.Redis = presence.connection
@@ -90,17 +137,10 @@ class Publisher:
             if check_index:  # first, so this pipeline's own SADDs cannot hide a lost set
                 pipe.expire(blocks, keys.LIVENESS_TTL_S)
             _write_index(pipe, blocks, writes)
-            for taken, packed in writes.streams:
-                append_events(pipe, taken.id, packed, taken.id not in writes.ongoing)
+            at, step_command = len(pipe), self._step_command(writes)
+            pipe.execute_command(*step_command)
             for end in writes.ended:
                 self.intake.end(pipe, end)
-            # A zero delta changes nothing: a step sends the counters that moved (about 3 of
-            # 31 for a decoding sequence); a heartbeat's publish sends every field, so each
-            # exists from the worker's first beat on.
-            every = writes.liveness is not None
-            for name, delta in writes.counters.items():
-                if delta or every:
-                    pipe.hincrby(self._k_counters, name, delta)
             if writes.last_reject is not None:
                 last = {f"last_reject_{k}": v for k, v in writes.last_reject.items()}
                 pipe.hset(
@@ -110,17 +150,48 @@ class Publisher:
             self.presence.set_busy(writes.busy, pipe)
             if writes.liveness is not None:
                 self.presence.beat(pipe, writes.liveness.gauges, writes.liveness.running)
-            n_writes = len(pipe)
-            pipe.exists(self._k_reaped)
-            if writes.watched:
-                pipe.mget([keys.request_cancel(rid) for rid in writes.watched])
-            pipe.lpop(self._k_control, 16)
-            for qk in self.intake.queue_keys:
-                pipe.llen(qk)
-            replies = pipe.execute()
-        res = _parse_reads(replies[n_writes:], writes.watched)
+            replies = pipe.execute(raise_on_error=False)
+        step = replies[at]
+        if isinstance(step, redis.exceptions.NoScriptError):
+            # Redis lost its script cache (SCRIPT FLUSH, a restart the connection came back from):
+            # the script did not run at all, so running it once more applies it once.
+            step = self.r.execute_command("EVAL", STEP_LUA, *step_command[2:])
+        for reply in replies:
+            if isinstance(reply, Exception) and reply is not replies[at]:
+                raise reply
+        if isinstance(step, Exception):
+            raise step
+        res = _parse_step(step, writes.watched)
         res.index_lost = check_index and not replies[0]
         return res
+
+    def _step_command(self, writes: StepWrites) -> list[Any]:
+        """The step script's call: EVALSHA, except with job ends, where EVAL (the script's
+        body) never meets a lost script cache, so a job's last events always precede its end."""
+        # A zero delta changes nothing: a step sends the counters that moved (about 3 of 31 for
+        # a decoding sequence); a heartbeat's publish sends every field, so each exists from the
+        # worker's first beat on.
+        every = writes.liveness is not None
+        counters = [(n, d) for n, d in writes.counters.items() if d or every]
+        streams = [(t, p) for t, p in writes.streams if p]
+        queues = self.intake.queue_keys
+        key_list: list[Any] = [self._k_reaped, self._k_control, self._k_counters, *queues]
+        args: list[Any] = [
+            keys.REQUEST_TTL_S,
+            STREAM_FIELD,
+            len(queues),
+            len(streams),
+            len(writes.watched),
+            len(counters),
+        ]
+        for name, delta in counters:
+            args += (name, delta)
+        for taken, packed in streams:
+            key_list += (keys.request_stream(taken.id), keys.request_cancel(taken.id))
+            args += ("0" if taken.id in writes.ongoing else "1", len(packed), *packed)
+        key_list += [keys.request_cancel(rid) for rid in writes.watched]
+        head = ["EVAL", STEP_LUA] if writes.ended else ["EVALSHA", STEP_SHA]
+        return [*head, len(key_list), *key_list, *args]
 
     def reply(self, reply_key: str, payload: bytes) -> None:
         with self.r.pipeline(transaction=False) as pipe:
@@ -148,17 +219,13 @@ def _write_index(pipe: Any, blocks: str, writes: StepWrites) -> None:
         pipe.srem(blocks, *removed)
 
 
-def _parse_reads(replies: list[Any], watched: list[str]) -> PublishResult:
-    res = PublishResult(reaped=bool(replies[0]))
-    replies = replies[1:]
-    i = 0
-    if watched:
-        res.cancelled = [rid for rid, flag in zip(watched, replies[0], strict=True) if flag]
-        i = 1
-    for raw in replies[i] or []:
+def _parse_step(reply: list[Any], watched: list[str]) -> PublishResult:
+    reaped, flags, raw_commands, queued = reply
+    res = PublishResult(reaped=bool(reaped), queued=int(queued))
+    res.cancelled = [rid for rid, flag in zip(watched, flags, strict=True) if flag]
+    for raw in raw_commands:
         try:
             res.commands.append(ControlCommand.from_wire(raw))
         except (WireError, ValueError):
             continue  # a malformed command is dropped, never executed
-    res.queued = sum(int(n or 0) for n in replies[i + 1 :])
     return res
