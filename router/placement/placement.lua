@@ -109,8 +109,8 @@ for i = 1, #roster do
     -- '<epoch>|<mode>|<paged_block_size>|<checkpoint_tokens>|<model>', the mode and its
     -- setting only for a paged or snapshot cache: a plain one's model is one comparison.
     local fact, mode, page, every_tokens = facts[wid], '', '', ''
-    local mine = fact == epoch .. '||||' .. model
-    if not mine then
+    local of_model = fact == epoch .. '||||' .. model
+    if not of_model then
       local seen, its_model
       if fact then
         seen, mode, page, every_tokens, its_model =
@@ -128,9 +128,9 @@ for i = 1, #roster do
                      table.concat({epoch, mode, page, every_tokens, its_model}, '|'))
         end
       end
-      mine = its_model == model
+      of_model = its_model == model
     end
-    if mine then
+    if of_model then
       local w = {wid = wid, epoch = epoch, running = 0, queued = 0, cached = 0, unit = 1,
                  every = 0}
       if loads[wid] then w.running, w.queued = pair(loads[wid]) end
@@ -182,10 +182,6 @@ local function routed_first(w)
   return first_routed[w.wid] == true
 end
 
--- How many of the prompt's leading blocks the worker holds or was already sent. Most workers
--- hold no block of a given prompt: the first block alone rules them out (one O(1) call), so a
--- decision's cost grows with the workers that match, not with every live one. Routed marks are
--- read only past the held prefix (a small sorted set is a listpack Redis scans per member).
 -- A snapshot worker: the deepest of the prompt's blocks it holds or was sent, short of the
 -- prompt's last token (a snapshot is restored only whole, and one token is left to compute).
 local function resumable_tokens(w)
@@ -207,7 +203,11 @@ local function resumable_tokens(w)
   return 0
 end
 
--- The prompt's leading blocks the worker holds or was sent (each one either), as tokens.
+-- How many of the prompt's leading blocks the worker holds or was already sent (each block the
+-- one or the other), as tokens. Most workers hold no block of a given prompt: the first block
+-- alone rules them out (one O(1) call), so a decision's cost beyond that grows with the workers
+-- that match, not with every live one. A worker the first block was sent to has its marks read
+-- first: a run of them ends where that earlier prompt and this one part.
 local function cached_tokens(w)
   if #members == 0 then return 0 end
   if w.snapshot then return resumable_tokens(w) end
