@@ -150,7 +150,11 @@ class Publisher:
             self.presence.set_busy(writes.busy, pipe)
             if writes.liveness is not None:
                 self.presence.beat(pipe, writes.liveness.gauges, writes.liveness.running)
-            replies = pipe.execute(raise_on_error=False)
+            if len(pipe) == 1:  # a steady step: the script alone, without the pipeline's machinery
+                pipe.reset()
+                replies = [self._call(step_command)]
+            else:
+                replies = pipe.execute(raise_on_error=False)
         step = replies[at]
         if isinstance(step, redis.exceptions.NoScriptError):
             # Redis lost its script cache (SCRIPT FLUSH, a restart the connection came back from):
@@ -164,6 +168,12 @@ class Publisher:
         res = _parse_step(step, writes.watched)
         res.index_lost = check_index and not replies[0]
         return res
+
+    def _call(self, command: list[Any]) -> Any:
+        try:
+            return self.r.execute_command(*command)
+        except redis.exceptions.NoScriptError as exc:
+            return exc
 
     def _step_command(self, writes: StepWrites) -> list[Any]:
         """The step script's call: EVALSHA, except with job ends, where EVAL (the script's
