@@ -52,6 +52,9 @@ LONG_LIVED = (
     "mlxcel:routing:stats",
     "mlxcel:routing:canary",
     "mlxcel:routing:rr",
+    "mlxcel:routing:placed",
+    "mlxcel:routing:load",
+    "mlxcel:routing:facts",
     "rq:queues",
     "rq:workers",
 )
