@@ -291,3 +291,38 @@ def test_an_sse_response_without_a_last_write_ends_with_an_empty_one() -> None:
     sent, ended = _asgi([b"data: 1\n\n"])
     assert [(m["body"], m["more_body"]) for m in sent[1:]] == [(b"data: 1\n\n", True), (b"", False)]
     assert ended
+
+
+def test_a_client_that_leaves_mid_stream_ends_the_body_and_its_cleanup_first() -> None:
+    """The client leaves while the body waits for its next chunk: the body is cancelled once,
+    so its cleanup (an await in its finally) runs to its end before the response returns, and
+    the response ends quietly."""
+    sent: list[dict[str, Any]] = []
+    first_out = asyncio.Event()
+    cleaned = False
+
+    async def body() -> AsyncIterator[bytes]:
+        nonlocal cleaned
+        try:
+            yield b"data: 1\n\n"
+            await asyncio.Event().wait()  # the next batch never comes
+        finally:
+            await asyncio.sleep(0.01)  # a cleanup that takes a while (a Redis round trip)
+            cleaned = True
+
+    async def receive() -> dict[str, Any]:
+        await first_out.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        if message.get("body"):
+            first_out.set()
+
+    async def run() -> None:
+        scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
+        await sse_response(body(), StreamEvent(kind="start"), coalesce=False)(scope, receive, send)
+
+    asyncio.run(asyncio.wait_for(run(), 60))  # a response that missed the leaving hangs
+    assert [m.get("body") for m in sent] == [None, b"data: 1\n\n"]
+    assert cleaned

@@ -5,6 +5,7 @@ SSE framing and headers."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -13,7 +14,7 @@ import anyio
 import orjson
 from fastapi import Request
 from fastapi.responses import StreamingResponse
-from starlette.types import Send
+from starlette.types import Receive, Scope, Send
 
 from router.edge.errors import APIError
 from router.relay.progress import ChoiceProgress, error_for
@@ -21,6 +22,8 @@ from router.relay.routed import RoutedRequest
 from router.state import RouterState
 from shared.errors import ErrorKind
 from shared.wire import StreamEvent
+
+log = logging.getLogger(__name__)
 
 # Names the worker that ran the request (its first attempt, when streamed): why a request went
 # where it went is in the router's route log line, keyed by the same worker id.
@@ -96,6 +99,43 @@ class LastWrite(bytes):
 
 
 class SSEResponse(StreamingResponse):
+    """Starlette's StreamingResponse with the body's end in the last write, and (ASGI before
+    2.4, where a send to a client that left is dropped, not an error) the client's leaving
+    watched by one plain task that cancels the streaming one: lighter than an anyio task group
+    per response, and the body's cleanup, cancelled once, runs to its end before the response
+    does."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        spec = tuple(map(int, scope.get("asgi", {}).get("spec_version", "2.0").split(".")))
+        if scope["type"] != "http" or spec >= (2, 4):
+            await super().__call__(scope, receive, send)
+            return
+        owner = asyncio.current_task()
+        assert owner is not None
+        streaming, left = True, False
+
+        async def watch() -> None:
+            nonlocal left
+            await self.listen_for_disconnect(receive)
+            if streaming:  # the client left mid-stream: the stream ends (its cleanup runs)
+                left = True
+                owner.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        watcher.add_done_callback(_retrieved)
+        try:
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            # This task's own cancel (the client left) ends the response quietly, as
+            # Starlette's does; any other cancel goes on.
+            if not left or owner.uncancel() > 0:
+                raise
+        finally:
+            streaming = False
+            watcher.cancel()
+        if self.background is not None:
+            await self.background()
+
     async def stream_response(self, send: Send) -> None:
         start = {"type": "http.response.start", "status": self.status_code}
         await send({**start, "headers": self.raw_headers})
@@ -106,6 +146,11 @@ class SSEResponse(StreamingResponse):
                 await send({"type": "http.response.body", "body": chunk, "more_body": more})
         if more:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _retrieved(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("watching for the client's leaving failed", exc_info=task.exception())
 
 
 def sse_response(
