@@ -79,12 +79,12 @@ class PublishResult:
 
 # One step's appends, counter deltas and reads. Each stream's events go through intake's
 # `append` (the one stream rule); the counters only add (HINCRBY), so nothing counts twice; the
-# reads come after every write of the script, as the pipeline's reads did. KEYS: the reaped claim,
-# the control list, the counters hash, the queues (nq), each stream and its cancel flag (ns
-# pairs), the watched requests' cancel flags (nw). ARGV: the stream TTL, the event field, nq, ns,
-# nw, the number of counters nc, nc (name, delta) pairs, then per stream its first flag, its
-# event count n and its n packed events. Returns {reaped 0/1, a 0/1 per watched id, the control
-# commands popped, the jobs queued}.
+# reads come after the script's writes (the job ends and the beat sent after it write nothing
+# they read). KEYS: the reaped claim, the control list, the counters hash, the queues (nq), each
+# stream and its cancel flag (ns pairs), the watched requests' cancel flags (nw). ARGV: the
+# stream TTL, the event field, nq, ns, nw, the number of counters nc, nc (name, delta) pairs,
+# then per stream its first flag, its event count n and its n packed events. Returns {reaped
+# 0/1, a 0/1 per watched id, the control commands popped, the jobs queued}.
 STEP_LUA = (
     APPEND_LUA
     + """
