@@ -21,7 +21,7 @@ from router.edge.openai_types import ResponseFormat
 from router.relay import stream_hub
 from router.relay.event_decode import decode_entry, decode_event
 from router.relay.openai_render import chunk_writer, text_chunk_writer
-from router.relay.stream_hub import Feed, StreamHub
+from router.relay.stream_hub import Deadlines, Feed, StreamHub
 from router.relay.streams import LastWrite, sse_response
 from shared import keys
 from shared.config import RedisConfig
@@ -105,14 +105,20 @@ def test_a_stream_subscribed_while_a_read_blocks_wakes_it(
     assert asyncio.run(run()) == [[0, 1]] * 3
 
 
-def test_a_feed_wait_with_nothing_to_take_says_so() -> None:
-    async def run() -> tuple[bool, bool, int]:
-        feed = Feed()
-        empty = await feed.wait(0.01)
-        feed.push([[b"1-0", [STREAM_FIELD, b"x"]]])
-        return empty, await feed.wait(0.01), len(feed.take())
+def test_a_feed_wait_ends_at_its_deadline_or_with_entries_and_leaves_nothing_behind() -> None:
+    async def run() -> tuple[bool, bool, int, int]:
+        deadlines = Deadlines()
+        ticker = asyncio.ensure_future(deadlines.run())
+        feed = Feed(deadlines)
+        try:
+            empty = await feed.wait(0.01)  # nothing comes: its deadline ends it
+            asyncio.get_running_loop().call_soon(feed.push, [[b"1-0", [STREAM_FIELD, b"x"]]])
+            came = await feed.wait(60.0)  # entries end it long before its deadline
+            return empty, came, len(feed.take()), len(deadlines._waiting)
+        finally:
+            ticker.cancel()
 
-    assert asyncio.run(run()) == (False, True, 1)
+    assert asyncio.run(asyncio.wait_for(run(), 60)) == (False, True, 1, 0)
 
 
 # --- decoding ---------------------------------------------------------------------------------

@@ -37,6 +37,8 @@ RETRY_S = 0.5
 # How long the next read waits after one that brought entries (see _run): a small part of a
 # decode step, and no wait at all for an entry that comes later than that.
 READ_GATHER_S = 0.002
+# How late a reader waiting for its stream's next entries may learn that its wait is over.
+TICK_S = 0.1
 
 # A wake-up: one entry on the wake stream and its TTL, in one script (one command, and the
 # stream never exists without its TTL).
@@ -55,18 +57,48 @@ def _bulk(value: bytes) -> bytes:
     return b"$%d\r\n%b\r\n" % (len(value), value)
 
 
+class Deadlines:
+    """The feeds waiting with a deadline, woken at it (at most TICK_S late) by one task: a timer
+    of the loop's per wait, set and cancelled for every read's worth of events, cost more than
+    the wait itself."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[Feed, float] = {}
+
+    def add(self, feed: Feed, deadline: float) -> None:
+        self._waiting[feed] = deadline
+
+    def discard(self, feed: Feed) -> None:
+        self._waiting.pop(feed, None)
+
+    async def run(self) -> None:
+        """Wake every feed past its deadline, every TICK_S, until cancelled."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(TICK_S)
+            now = loop.time()
+            due = [feed for feed, deadline in self._waiting.items() if deadline <= now]
+            for feed in due:
+                del self._waiting[feed]
+                feed.wake()
+
+
 class Feed:
     """One stream's entries, appended by the hub a read at a time and taken whole by the
     stream's one reader: a wake-up per read, not per entry."""
 
-    __slots__ = ("_entries", "_waiter")
+    __slots__ = ("_entries", "_waiter", "_deadlines")
 
-    def __init__(self) -> None:
+    def __init__(self, deadlines: Deadlines) -> None:
         self._entries: list[RawEntry] = []
         self._waiter: asyncio.Future[None] | None = None
+        self._deadlines = deadlines
 
     def push(self, entries: list[RawEntry]) -> None:
         self._entries.extend(entries)
+        self.wake()
+
+    def wake(self) -> None:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -77,31 +109,26 @@ class Feed:
         return entries
 
     async def wait(self, timeout_s: float) -> bool:
-        """Whether entries are there to take, waiting up to `timeout_s` for them (a timer of
-        the loop's own: asyncio.timeout's cancel machinery cost more than the wait)."""
+        """Whether entries are there to take, waiting up to about `timeout_s` for them (its
+        Deadlines wakes it at most TICK_S late)."""
         if self._entries:
             return True
         loop = asyncio.get_running_loop()
         waiter = self._waiter = loop.create_future()
-        timer = loop.call_later(timeout_s, _expire, waiter)
+        self._deadlines.add(self, loop.time() + timeout_s)
         try:
             await waiter
         finally:
             self._waiter = None
-            timer.cancel()
+            self._deadlines.discard(self)
         return bool(self._entries)
-
-
-def _expire(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
 
 
 class _Subscription:
     __slots__ = ("feed", "key_arg", "id_arg")
 
-    def __init__(self, key: bytes) -> None:
-        self.feed = Feed()
+    def __init__(self, key: bytes, deadlines: Deadlines) -> None:
+        self.feed = Feed(deadlines)
         self.key_arg = _bulk(key)
         self.id_arg = _bulk(b"0-0")  # every entry the stream has: a worker may write first
 
@@ -120,6 +147,8 @@ class StreamHub:
         self._wake = self._writer.register_script(WAKE_LUA)
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._deadlines = Deadlines()
+        self._ticker: asyncio.Task[None] | None = None
         # A read is in flight, and it names every stream subscribed before it was sent; a wake
         # is on its way to it (one wake brings it back for every subscription made meanwhile).
         self._reading = False
@@ -127,12 +156,14 @@ class StreamHub:
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="stream-hub")
+        self._ticker = asyncio.create_task(self._deadlines.run(), name="stream-hub-deadlines")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, self._ticker):
+            if task is not None:
+                task.cancel()
+                with suppress(asyncio.CancelledError):
+                    await task
         with suppress(redis.RedisError):
             await self._writer.delete(self._wake_key)
         await self._reader.aclose()
@@ -142,7 +173,7 @@ class StreamHub:
         key = stream.encode()
         sub = self._subs.get(key)
         if sub is None:
-            sub = self._subs[key] = _Subscription(key)
+            sub = self._subs[key] = _Subscription(key, self._deadlines)
         self._changed.set()
         if self._reading and not self._wake_sent:
             # The read in flight was sent before this stream was known: bring it back.
