@@ -342,7 +342,7 @@ def test_wait_redis_waits_for_a_sentinel_managed_primary(sentinel_set: SentinelS
     assert wait_redis(sentinel_set.url).returncode == 0
     wrong = sentinel_set.url.replace(sentinel_set.password, SECRET)
     failed = wait_redis(wrong)
-    assert failed.returncode == 1 and "wait-redis" in failed.stderr
+    assert failed.returncode == 2 and "wait-redis" in failed.stderr  # a wrong password: exit 2
     assert SECRET not in failed.stderr and sentinel_set.password not in failed.stderr
 
 
