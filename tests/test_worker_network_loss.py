@@ -51,7 +51,7 @@ SHORT_STALL_S = "4"  # the short stall timeout: a brief cut stays under it, a lo
 BRIEF_CUT_S = 1.5  # well under the dead threshold (5 s and two reaper passes)
 LONG_CUT_S = 10.0  # past it: the live peer finds both cut-off workers dead
 PROMPTS = ["Once upon a time", "The quick brown fox", "1, 2, 3, 4, 5,", "import numpy as np\n"]
-MAX_TOKENS = 1000
+MAX_TOKENS = 300  # long enough to be running through a cut, short enough to finish soon
 KW = {"serializer": MsgpackSerializer}
 
 
