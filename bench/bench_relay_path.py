@@ -1,0 +1,153 @@
+"""The relay's own cost a token, alone: the stream hub, each request's watch and the events'
+decode over a real Redis, without HTTP, FastAPI or a router process.
+
+One embedded Redis; a writer process stands in for a worker: every `--step-ms` it sends ONE
+pipeline with one script call per stream XADDing `--tokens` delta events (a worker's publish,
+`worker.broker.intake.append_events`, in shape). This process runs a StreamHub (under uvloop,
+as the router does) and, per stream, a Watch over the hub's feed, taking its events a read at
+a time and rendering each as an SSE-like chunk. Reported: tokens relayed a second, this
+process's CPU a token (the writer's is its own), and the hub's reads.
+
+    flock /tmp/mlxcel-bench.lock .venv/bin/python bench/bench_relay_path.py [--quick]
+        [--streams 128] [--step-ms 40] [--tokens 4] [--seconds 6] [--json out.json]
+
+About 10 s, --quick (a 3 s window) about 6. What bench_routing_scale.py's relay curve adds to
+this is the router around it: HTTP, each request's admission, placement and enqueue, each write
+through the middlewares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import sys
+import time
+from typing import Any
+
+import orjson
+import redis
+import uvloop
+from common import announce, output_args, write_json
+
+from mlxcel_pool.redis_server import start_redis
+from router.relay.attempt import Attempt
+from router.relay.stream_hub import StreamHub
+from router.relay.watch import Watch
+from shared import keys
+from shared.config import RedisConfig
+from shared.wire import STREAM_FIELD, GenerationRequest, StreamEvent
+
+WARM_S = 2.0
+APPEND_LUA = """
+for i = 2, #ARGV do redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[i]) end
+redis.call('EXPIRE', KEYS[1], 600)
+return 1
+"""
+
+
+def request_id(i: int) -> str:
+    return f"relay-path-{i}"
+
+
+def writer(url: str, streams: int, step_s: float, tokens: int) -> None:
+    """A worker's publish, every step: one pipeline, one script call per stream."""
+    r = redis.Redis.from_url(url)
+    sha = r.script_load(APPEND_LUA)
+    seq = [0] * streams
+    at = time.monotonic()
+    while True:
+        with r.pipeline(transaction=False) as pipe:
+            for i in range(streams):
+                events = []
+                for _ in range(tokens):
+                    ev = StreamEvent(kind="delta", seq=seq[i], text=" tok", token_ids=[5])
+                    events.append(ev.to_wire())
+                    seq[i] += 1
+                pipe.evalsha(sha, 1, keys.request_stream(request_id(i)), STREAM_FIELD, *events)
+            pipe.execute()
+        at += step_s
+        time.sleep(max(0.0, at - time.monotonic()))
+
+
+async def reader(hub: StreamHub, i: int, counts: list[int]) -> None:
+    attempt = Attempt(GenerationRequest(request_id(i), "m", [1], 1))
+
+    async def job_state() -> None:
+        return None
+
+    async def unread() -> bool:
+        return False
+
+    feed = await hub.subscribe(keys.request_stream(attempt.job_id))
+    watch = Watch(attempt, feed, None, False, 600.0, job_state=job_state, unread=unread)
+    head, tail = b'data: {"choices":[{"text":', b"}]}\n\n"
+    async for batch in watch.batches():
+        b"".join([head + orjson.dumps(ev.text) + tail for ev in batch])
+        counts[0] += len(batch)
+
+
+async def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    hub = StreamHub(RedisConfig(url=url))
+    await hub.start()
+    counts = [0]
+    tasks = [asyncio.create_task(reader(hub, i, counts)) for i in range(args.streams)]
+    step_s, n = args.step_ms / 1000, args.streams
+    proc = multiprocessing.get_context("spawn").Process(
+        target=writer, args=(url, n, step_s, args.tokens), daemon=True
+    )
+    proc.start()
+    try:
+        await asyncio.sleep(WARM_S)
+        r = redis.Redis.from_url(url)
+        t0, c0, w0 = counts[0], time.process_time(), time.perf_counter()
+        x0 = r.info("commandstats").get("cmdstat_xread", {}).get("calls", 0)
+        await asyncio.sleep(args.seconds)
+        t1, c1, w1 = counts[0], time.process_time(), time.perf_counter()
+        x1 = r.info("commandstats").get("cmdstat_xread", {}).get("calls", 0)
+    finally:
+        proc.terminate()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await hub.stop()
+    relayed, cpu, wall = t1 - t0, c1 - c0, w1 - w0
+    return {
+        "streams": n,
+        "offered_tok_s": n * args.tokens / step_s,
+        "relayed_tok_s": relayed / wall,
+        "cores": cpu / wall,
+        "us_per_token": cpu / relayed * 1e6 if relayed else float("nan"),
+        "tokens_per_cpu_s": relayed / cpu if cpu else float("nan"),
+        "reads_s": (x1 - x0) / wall,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--streams", type=int, default=128)
+    p.add_argument("--step-ms", type=float, default=40.0)
+    p.add_argument("--tokens", type=int, default=4, help="delta events a stream a step")
+    p.add_argument("--seconds", type=float, default=None, help="the window (6; --quick 3)")
+    p.add_argument("--quick", action="store_true")
+    output_args(p, "write the numbers here", work_dir=False)
+    args = p.parse_args(argv)
+    args.seconds = args.seconds or (3.0 if args.quick else 6.0)
+    machine = announce()
+    server = start_redis()
+    try:
+        out = uvloop.run(measure(server.url, args))
+    finally:
+        server.stop()
+    print(
+        f"{out['streams']} streams, offered {out['offered_tok_s']:.0f} tok/s: relayed "
+        f"{out['relayed_tok_s']:.0f} tok/s at {out['cores']:.3f} cores, "
+        f"{out['us_per_token']:.2f} us a token ({out['tokens_per_cpu_s']:.0f} a CPU-second), "
+        f"{out['reads_s']:.0f} hub reads a second"
+    )
+    write_json(args.json, {"machine": machine, **out})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
