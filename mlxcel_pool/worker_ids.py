@@ -11,7 +11,6 @@ only, so checking an id another host's worker holds never disturbs that worker.
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 import time
@@ -21,6 +20,7 @@ import redis
 
 from shared import keys
 from shared.config import ConfigError
+from shared.liveness import pid_alive
 
 EMBEDDED_PREFIX = "w"  # `up` with its own Redis: w1..wN
 _PREFIX_CHARS = re.compile(r"[A-Za-z0-9_-]+")
@@ -63,18 +63,6 @@ class IdHolder:
         )
 
 
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def holders(
     conn: redis.Redis, ids: list[str], hostname: str | None = None, now: float | None = None
 ) -> list[IdHolder]:
@@ -91,7 +79,7 @@ def holders(
         if not info:
             continue
         pid = info.get("pid", "")
-        if info.get("host") == mine and not _pid_alive(int(pid) if pid.isdigit() else 0):
+        if info.get("host") == mine and not pid_alive(int(pid) if pid.isdigit() else 0):
             continue  # a crashed process of this host: its successor takes the id over
         try:
             age: float | None = max(0.0, now - float(info["last_seen"]))

@@ -20,6 +20,7 @@ judge, the info hash expiring (LIVENESS_TTL_S without a heartbeat) is the verdic
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -121,3 +122,16 @@ def read_roster(
         info = {f: v.decode() for f, v in zip(fields, values, strict=True) if v is not None}
         out.append(WorkerRecord(wid, int(row[0]), info, row[2:] if fields else row[1:]))
     return out
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` runs on this host (one another user owns counts as running)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

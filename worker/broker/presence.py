@@ -36,7 +36,7 @@ from rq import Queue, SimpleWorker
 from rq.worker import WorkerStatus
 
 from shared import keys
-from shared.liveness import DEAD_AFTER_S, STUCK_AFTER_S
+from shared.liveness import DEAD_AFTER_S, STUCK_AFTER_S, pid_alive
 from shared.wire import MsgpackSerializer
 from worker.broker.standing import Silence, Standing, redis_run_id
 
@@ -182,7 +182,7 @@ class WorkerPresence(RqWorkerRecord):
         info = {k.decode(): v.decode() for k, v in raw.items()}
         if not info or info.get("pid") == str(os.getpid()):
             return
-        if info.get("host") == self.hostname and not _pid_alive(int(info.get("pid") or 0)):
+        if info.get("host") == self.hostname and not pid_alive(int(info.get("pid") or 0)):
             return
         raise WorkerIdInUse(
             f"worker id {self.worker_id!r} is in use by pid {info.get('pid')} on "
@@ -427,18 +427,6 @@ class Heartbeat(threading.Thread):
                 self._unheard_s = max(self._unheard_s, now - self._landed_at)
                 self._landed_at = now
         return reply
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _strs(mapping: dict[str, Any]) -> dict[str, str]:
