@@ -40,7 +40,7 @@ REQUEST_TTFT_MS = Histogram(
 )
 REQUEST_DECODE_TOK_S = Histogram(
     "mlxcel_request_decode_tok_s",
-    "Per-request decode speed after the first token, in tokens per second.",
+    "Per-request decode speed after the first token (as Redis stored them), in tokens per second.",
     buckets=(1, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000),
 )
 # The spec's two names with abbreviated units (promtool's lint names them), which
@@ -77,7 +77,7 @@ PREFILL_SECONDS = Histogram(
 )
 INTER_TOKEN_SECONDS = Histogram(
     "mlxcel_request_inter_token_latency_seconds",
-    "A request's mean time between generated tokens after the first (one observation each).",
+    "A request's mean time between generated tokens after the first, as Redis stored them.",
     ["model_name"],
     buckets=_TOKEN_GAP_BUCKETS,
 )

@@ -352,8 +352,14 @@ class StreamEvent:
     # A `done` whose sequence a stop string ended: which of the request's stop strings matched
     # (Anthropic's `stop_sequence`); None when EOS, a stop token or max_tokens ended it.
     stop_str: str | None = None
+    # Never on the wire (LOCAL_FIELDS): the reader's note of when Redis stored the entry (its
+    # stream id's milliseconds, Redis's clock), so the time between a request's tokens is the
+    # worker's, not how the router's reads happened to batch them. 0: not known.
+    written_ms: int = 0
 
     KINDS: ClassVar[frozenset[str]] = frozenset({"start", "delta", "done", "error"})
+    # Fields a reader fills in itself: from_wire refuses them, to_wire leaves them out at default.
+    LOCAL_FIELDS: ClassVar[frozenset[str]] = frozenset({"written_ms"})
     WIRE_TYPES: ClassVar[dict[str, tuple[type, ...]]] = {
         "kind": (str,),
         "seq": (int,),
@@ -373,7 +379,11 @@ class StreamEvent:
 
     # As GenerationRequest's: a router from before prompt_logprobs reads every event of a
     # request that does not ask for them.
-    OMITTED_AT_DEFAULT: ClassVar[dict[str, Any]] = {"prompt_logprobs": [], "stop_str": None}
+    OMITTED_AT_DEFAULT: ClassVar[dict[str, Any]] = {
+        "prompt_logprobs": [],
+        "stop_str": None,
+        "written_ms": 0,
+    }
 
     def to_wire(self) -> bytes:
         # Packed once per token: a shallow copy of the instance dict, not asdict's deep one.

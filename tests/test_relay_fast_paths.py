@@ -16,13 +16,15 @@ import pytest
 import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import REGISTRY
 
 from router.edge.openai_types import ResponseFormat
 from router.relay import stream_hub
-from router.relay.event_decode import decode_entry, decode_event
+from router.relay.event_decode import decode_entry, decode_event, entry_ms
 from router.relay.openai_render import chunk_writer, text_chunk_writer
 from router.relay.stream_hub import Deadlines, Feed, StreamHub
 from router.relay.streams import LastWrite, sse_response
+from router.relay.timings import Timings
 from shared import keys
 from shared.config import RedisConfig
 from shared.wire import STREAM_FIELD, StreamEvent, WireError
@@ -332,3 +334,36 @@ def test_a_client_that_leaves_mid_stream_ends_the_body_and_its_cleanup_first() -
     asyncio.run(asyncio.wait_for(run(), 60))  # a response that missed the leaving hangs
     assert [m.get("body") for m in sent] == [None, b"data: 1\n\n"]
     assert cleaned
+
+
+def test_an_entry_id_gives_the_millisecond_redis_stored_it() -> None:
+    assert entry_ms(b"1733100000123-4") == 1733100000123
+    assert entry_ms("1733100000123-0") == 1733100000123
+    assert entry_ms(b"not-an-id") == 0
+
+
+def test_decode_timing_is_the_workers_not_how_a_read_batched_the_tokens() -> None:
+    # Five tokens stored 40 ms apart in Redis, read together by one router read (same `now`):
+    # the gap observed is 10 ms a token, not the 0 the router's own clock would give.
+    model = f"timing-{uuid.uuid4().hex[:8]}"
+
+    def sample(name: str) -> float:
+        return REGISTRY.get_sample_value(name, {"model_name": model}) or 0.0
+
+    timings = Timings(model, enqueued_at=99.0)
+    timings.first_token(100.0, written_ms=1_000_000)
+    timings.done(100.0, completion_tokens=5, finish_reason="length", written_ms=1_000_040)
+    itl = "mlxcel_request_inter_token_latency_seconds"
+    assert sample(f"{itl}_count") == 1
+    assert sample(f"{itl}_sum") == pytest.approx(0.010)
+    # Entries stored within one millisecond tell nothing: no observation, never an infinite speed.
+    same = Timings(model, enqueued_at=99.0)
+    same.first_token(100.0, written_ms=2_000_000)
+    same.done(100.0, completion_tokens=3, finish_reason="length", written_ms=2_000_000)
+    assert sample(f"{itl}_count") == 1
+    # Without Redis's times (an event the router made up), the router's clock is what there is.
+    own = Timings(model, enqueued_at=99.0)
+    own.first_token(100.0)
+    own.done(100.5, completion_tokens=6, finish_reason="stop")
+    assert sample(f"{itl}_count") == 2
+    assert sample(f"{itl}_sum") == pytest.approx(0.110)

@@ -389,7 +389,13 @@ def test_control_command_kind_is_checked() -> None:
 
 def test_wire_types_name_every_field() -> None:
     for cls in (GenerationRequest, *MESSAGE_TYPES):
-        assert set(cls.WIRE_TYPES) == {f.name for f in dataclasses.fields(cls)}, cls.__name__
+        local = getattr(cls, "LOCAL_FIELDS", frozenset())
+        assert not local & set(cls.WIRE_TYPES), cls.__name__  # a local field is never sent
+        assert set(cls.WIRE_TYPES) | local == {f.name for f in dataclasses.fields(cls)}, cls
+    # A reader's own note stays off the wire, and one sent anyway is refused.
+    assert b"written_ms" not in StreamEvent(kind="delta", text="x").to_wire()
+    with pytest.raises(WireError, match="unknown field 'written_ms'"):
+        StreamEvent.from_wire(pack({"kind": "delta", "written_ms": 5}))
 
 
 # GenerationRequest's fields as the last release before `grammar`, `group`, `echo` and prompt

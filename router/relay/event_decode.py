@@ -36,6 +36,15 @@ def entry_payload(fields: list[Any]) -> bytes | None:
     return None
 
 
+def entry_ms(entry_id: bytes | str) -> int:
+    """The milliseconds of a stream entry's id (`<ms>-<seq>`): when Redis stored it."""
+    head = entry_id.split(b"-", 1)[0] if isinstance(entry_id, bytes) else entry_id.split("-", 1)[0]
+    try:
+        return int(head)
+    except ValueError:
+        return 0
+
+
 def decode_entry(fields: list[Any]) -> StreamEvent:
     """The entry's event, or the `error` event that says why it is unreadable."""
     data = entry_payload(fields)

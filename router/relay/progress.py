@@ -81,7 +81,7 @@ class ChoiceProgress:
             self.text.append(text)
             if self.first_token_at is None:
                 self.first_token_at = now
-                self.timings.first_token(now)
+                self.timings.first_token(now, ev.written_ms)
             return text, calls
         elif ev.kind == "done":
             text, calls = ("", []) if self.tool_stream is None else self.tool_stream.finish()
@@ -95,7 +95,7 @@ class ChoiceProgress:
                 completion_tokens=ev.completion_tokens,
                 cached_tokens=ev.cached_tokens or self.usage.cached_tokens,
             )
-            self.timings.done(now, ev.completion_tokens, self.finish_reason)
+            self.timings.done(now, ev.completion_tokens, self.finish_reason, ev.written_ms)
             return text, calls
         return "", []
 

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from router.relay.attempt import Attempt, JobState
-from router.relay.event_decode import decode_entry, error_event
+from router.relay.event_decode import decode_entry, entry_ms, error_event
 from router.relay.stream_hub import Feed
 from shared.errors import ErrorKind
 from shared.wire import StreamEvent
@@ -69,8 +69,10 @@ class Watch:
             if entries:
                 batch: list[StreamEvent] = []
                 end = False
-                for _, fields in entries:
-                    event, end = self._relay(decode_entry(fields))
+                for entry_id, fields in entries:
+                    decoded = decode_entry(fields)
+                    decoded.written_ms = entry_ms(entry_id)
+                    event, end = self._relay(decoded)
                     if event is not None:
                         batch.append(event)
                     if end:
