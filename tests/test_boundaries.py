@@ -65,6 +65,6 @@ def test_the_rq_keys_we_name_are_rqs_own() -> None:
 
     from shared import keys
 
-    assert keys.RQ_QUEUE_PREFIX == Queue.redis_queue_namespace_prefix
+    assert Queue.redis_queue_namespace_prefix == keys.RQ_QUEUE_PREFIX
     unconnected = redis.Redis()  # rq builds the key without a round trip
     assert keys.rq_queue_key("mlxcel:w:w1") == Queue("mlxcel:w:w1", connection=unconnected).key
