@@ -69,3 +69,19 @@ def pool_queues(worker_ids: list[str] | tuple[str, ...] = ("w1", "w2", "w3")) ->
     """The queues a pool's jobs may sit or run in: the tiny model's shared one and each worker's
     own (routing places requests on a worker's own queue)."""
     return [SHARED_QUEUE, *(keys.worker_queue_name(w) for w in worker_ids)]
+
+
+def started_holders(r: redis.Redis, worker_ids: list[str] | tuple[str, ...]) -> dict[str, str]:
+    """job id -> the worker whose start event its stream holds, for every job rq has started
+    now in the pool's queues."""
+    from rq.registry import StartedJobRegistry
+
+    out = {}
+    for q in pool_queues(worker_ids):
+        registry = StartedJobRegistry(q, connection=r, serializer=MsgpackSerializer)
+        for job_id in registry.get_job_ids(cleanup=False):
+            for _, fields in r.xrange(keys.request_stream(job_id), count=1):
+                event = StreamEvent.from_wire(fields[STREAM_FIELD])
+                if event.kind == "start":
+                    out[job_id] = event.worker_id
+    return out

@@ -27,12 +27,12 @@ import pytest
 import redis
 from rq import Queue
 from rq.job import Job
-from rq.registry import FailedJobRegistry, StartedJobRegistry
+from rq.registry import FailedJobRegistry
 
 from shared import keys
-from shared.wire import JOB_FUNC, STREAM_FIELD, GenerationRequest, MsgpackSerializer, StreamEvent
+from shared.wire import JOB_FUNC, GenerationRequest, MsgpackSerializer
 from tests.pool_fixture import TINY_MODEL, running_pool, sse_events, wait_for
-from tests.streams import SHARED_QUEUE, enqueue_raw, pool_queues, read_events
+from tests.streams import SHARED_QUEUE, enqueue_raw, pool_queues, read_events, started_holders
 from worker.loop import FAULT_LOOP_STALL_ENV
 
 pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
@@ -134,15 +134,7 @@ def _in_threads(pool: Any, prompts: list[str], max_tokens: int) -> tuple[list, l
 
 
 def _holders(r: redis.Redis) -> dict[str, str]:
-    """job id -> the worker whose start event it has, for every job started now."""
-    out = {}
-    for q in pool_queues(WORKERS):
-        for job_id in StartedJobRegistry(q, connection=r, **KW).get_job_ids(cleanup=False):
-            for _, fields in r.xrange(keys.request_stream(job_id), count=1):
-                event = StreamEvent.from_wire(fields[STREAM_FIELD])
-                if event.kind == "start":
-                    out[job_id] = event.worker_id
-    return out
+    return started_holders(r, WORKERS)
 
 
 def _wait_tokens_relayed(r: redis.Redis, job_ids: list[str]) -> None:

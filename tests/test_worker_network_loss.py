@@ -32,15 +32,14 @@ import httpx
 import pytest
 import redis
 from rq.job import Job
-from rq.registry import StartedJobRegistry
 
 from mlxcel_pool.supervisor import Pool
 from shared import keys
 from shared.liveness import WORKER_LOST_MARK
-from shared.wire import STREAM_FIELD, MsgpackSerializer, StreamEvent
+from shared.wire import MsgpackSerializer, StreamEvent
 from tests.drivers.blackhole_proxy import BlackholeProxy
 from tests.pool_fixture import TINY_MODEL, running_pool, sse_events, wait_for
-from tests.streams import enqueue, pool_queues, read_events
+from tests.streams import enqueue, read_events, started_holders
 
 pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
 
@@ -142,15 +141,7 @@ def _run_requests(pool: Pool, prompts: list[str]) -> tuple[list[threading.Thread
 
 
 def _holders(r: redis.Redis) -> dict[str, str]:
-    """job id -> the worker whose start event its stream holds, for every job started now."""
-    out = {}
-    for q in pool_queues(WORKERS):
-        for job_id in StartedJobRegistry(q, connection=r, **KW).get_job_ids(cleanup=False):
-            for _, fields in r.xrange(keys.request_stream(job_id), count=1):
-                event = StreamEvent.from_wire(fields[STREAM_FIELD])
-                if event.kind == "start":
-                    out[job_id] = event.worker_id
-    return out
+    return started_holders(r, WORKERS)
 
 
 def _running_on(r: redis.Redis, wids: tuple[str, ...]) -> dict[str, str]:
