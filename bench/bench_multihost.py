@@ -58,6 +58,7 @@ from common import (
 )
 from results import Results
 
+from mlxcel_pool.redis_server import redis_server_binary
 from tests.drivers.netns import DelayProxy, NetnsLab, lab_available
 
 HOSTS = ("redis", "router", "w1", "client")
@@ -139,12 +140,6 @@ def _env(**extra: str) -> dict[str, str]:
     return {**env, **POOL_ENV, **extra}
 
 
-def _redis_binary() -> str:
-    from mlxcel_pool.redis_server import redis_server_binary
-
-    return redis_server_binary()
-
-
 def ping_rtt_ms(lab: NetnsLab, host: str, port: int) -> float:
     code = (
         "import redis, sys, time\n"
@@ -172,7 +167,7 @@ class NamespacedPool:
         lab.popen(
             "redis",
             [
-                _redis_binary(),
+                redis_server_binary(),
                 "--port",
                 str(REDIS_PORT),
                 "--bind",

@@ -207,14 +207,13 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
                     lambda: (root / "redis" / "cache" / "redis.password").exists(),
                     30,
                 )
-        dep.blocks = blocks  # type: ignore[attr-defined]
         dep.wait("both workers registered", lambda: _health(dep).get("workers_alive") == 2, 240)
         yield dep
 
 
 def test_the_guides_client_step_works(deployment: Deployment) -> None:
     dep = deployment
-    client = [b for b in dep.blocks if b.host == "client"]  # type: ignore[attr-defined]
+    client = [b for b in guide_blocks() if b.host == "client"]
     assert len(client) == 1
     outputs = []
     for line in client[0].script.splitlines():
