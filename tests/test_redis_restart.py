@@ -84,6 +84,62 @@ def test_a_persistent_redis_restart_fails_the_running_request(start_worker, tmp_
         server.stop()
 
 
+def test_a_snapshot_that_missed_a_finished_jobs_end_brings_it_back_and_the_worker_fails_it(
+    start_worker, tmp_path
+) -> None:
+    """Redis restarts from a snapshot taken while a job ran, and the job finished after it: the
+    job comes back `started`, as a failover brings it back on a replica that had not heard its
+    end. The worker, which runs nothing of it, fails it as lost, so rq shows the truth and a
+    router still waiting on it (it had not read the end either) runs it again or ends it,
+    instead of waiting for ever on a job nobody holds."""
+    import shutil
+
+    from rq.job import Job
+    from rq.registry import FailedJobRegistry, StartedJobRegistry
+
+    from shared.liveness import WORKER_LOST_MARK
+    from shared.wire import MsgpackSerializer
+
+    server = start_redis()
+    try:
+        r = redis.Redis.from_url(server.url)
+        w = start_worker(server.url, "w1")
+        job = enqueue(r, list(range(10, 30)), max_tokens=600)
+        _wait(lambda: r.xlen(keys.request_stream(job)) > 3, 20, "the request is streaming")
+        redis.Redis.from_url(server.admin_url).save()  # SAVE is the admin's, not the pool's
+        snapshot = tmp_path / "dump.rdb"
+        shutil.copy(f"{server.workdir}/dump.rdb", snapshot)
+        assert read_events(r, job)[-1].kind == "done"  # its end reached Redis, after the copy
+
+        probe = start_redis(rdb=snapshot, password=server.password)  # what the copy holds
+        try:
+            status = redis.Redis.from_url(probe.url).hget(Job.key_for(job), "status")
+        finally:
+            probe.stop()
+        assert status == b"started", "the snapshot must hold the job running"
+
+        server.stop()
+        time.sleep(1.5)
+        server = start_redis(port=server.port, rdb=snapshot, password=server.password)
+        r = redis.Redis.from_url(server.url)
+        _wait(
+            lambda: r.hget(Job.key_for(job), "status") == b"failed",
+            20,
+            "the worker failed the job Redis brought back",
+        )
+        started = StartedJobRegistry(SHARED_QUEUE, connection=r, serializer=MsgpackSerializer)
+        assert job not in started.get_job_ids(cleanup=False)
+        failed = FailedJobRegistry(SHARED_QUEUE, connection=r, serializer=MsgpackSerializer)
+        assert job in failed.get_job_ids()
+        result = Job.fetch(job, connection=r, serializer=MsgpackSerializer).latest_result()
+        assert result is not None and WORKER_LOST_MARK in (result.exc_string or "")
+        assert read_events(r, enqueue(r, [8, 9, 10], max_tokens=4))[-1].kind == "done"
+        assert w.proc.poll() is None
+        assert "their ends were lost" in w.log_path.read_text()
+    finally:
+        server.stop()
+
+
 def test_router_answers_503_while_redis_is_down_and_serves_after_it_returns(
     tiny_model_dir, tmp_path
 ) -> None:

@@ -290,3 +290,44 @@ def test_the_reaper_counts_a_death_only_on_passes_a_second_apart(redis_url) -> N
     assert job.get_status() == "failed" and WORKER_LOST_MARK in job.latest_result().exc_string
     assert "mlxcel-w9" not in [w.name for w in Worker.all(connection=r)]
     assert reaper.reap() == []  # reaped once: the claim holds
+
+
+def test_a_job_whose_start_redis_lost_is_reclaimed_by_its_taker_only(redis_url) -> None:
+    """A replica that heard a dequeue but not the start pipeline after it (a failover between
+    the two) holds the job `queued` in its queue's intermediate list, where no worker and no
+    router would ever move it: the worker that took it reclaims it (out of the list, to fail).
+    A job another worker started, or one still waiting in its queue, is not its to reclaim."""
+    from rq import Queue
+    from rq.executions import Execution
+
+    from worker.broker.intake import PoolJob, RqIntake, TakenJob, own_queues
+    from worker.broker.presence import WorkerPresence
+
+    r = redis.Redis.from_url(redis_url)
+    presence = WorkerPresence(
+        r, "w1", own_queues(r, "w1", TINY_MODEL), {"worker_id": "w1", "model": TINY_MODEL}
+    )
+    presence.arrive({})
+    intake = RqIntake(presence)
+    shared = Queue(SHARED_QUEUE, connection=r, serializer=MsgpackSerializer)
+
+    lost_start = enqueue(r, [1, 2, 3])  # dequeued the way the worker dequeues, never started
+    job, queue = Queue.dequeue_any(
+        [shared], None, connection=r, job_class=PoolJob, serializer=MsgpackSerializer
+    )
+    assert job.id == lost_start and r.lrange(queue.intermediate_queue_key, 0, -1) == [
+        lost_start.encode()
+    ]
+    enqueue(r, [7, 8, 9])
+    started = intake.take(1, None)[0]  # started whole
+    waiting = enqueue(r, [4, 5, 6])  # still in its queue: any worker's to take
+
+    def ticket(job_id: str) -> TakenJob:
+        loaded = Job.fetch(job_id, connection=r, serializer=MsgpackSerializer)
+        return TakenJob(loaded, Execution("e", job_id, connection=r), None)
+
+    tickets = [ticket(lost_start), started, ticket(waiting)]
+    assert intake.reclaim_unstarted(tickets) == [True, False, False]
+    assert r.lrange(queue.intermediate_queue_key, 0, -1) == []
+    assert r.lrange(shared.key, 0, -1) == [waiting.encode()]
+    assert intake.reclaim_unstarted(tickets) == [False, False, False]  # reclaimed once

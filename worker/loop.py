@@ -352,6 +352,9 @@ class WorkerLoop:
                 continue
             self._index_full_due = _index_reason(standing)
             by_pool, by_us = self._fail_orphans(dropped)
+            # It runs nothing now: a job rq still shows as its own ended on a primary that was
+            # lost before its replica heard (a failover), or on a restart from a snapshot.
+            self._fail_leftovers()
             log.warning(
                 "worker %s reconnected to Redis: %s, and %s: dropped %d request(s) the pool had "
                 "failed or Redis lost, failed %d it could no longer finish; registered again",
@@ -369,10 +372,12 @@ class WorkerLoop:
         jobs the pool ended meanwhile (a peer's reaper) or Redis lost are left alone. Returns
         (left alone, failed here)."""
         try:
-            started = self.intake.still_started([e.request.ticket for e in dropped.ended])
+            tickets = [e.request.ticket for e in dropped.ended]
+            started = self.intake.still_started(tickets)
+            unstarted = self.intake.reclaim_unstarted(tickets)
             kept = StepResult(counters=dropped.counters)
-            for ended, ours in zip(dropped.ended, started, strict=True):
-                if ours:
+            for ended, *ours in zip(dropped.ended, started, unstarted, strict=True):
+                if any(ours):
                     kept.events[ended.request] = dropped.events.get(ended.request, [])
                     kept.ended.append(ended)
             writes = StepWrites()
@@ -382,6 +387,15 @@ class WorkerLoop:
             log.warning("could not fail the requests dropped with Redis", exc_info=True)
             return 0, 0
         return len(dropped.ended) - len(kept.ended), len(kept.ended)
+
+    def _fail_leftovers(self) -> None:
+        try:
+            self.reaper.reap_own_leftovers(
+                "lost Redis (which lost the job's end)",
+                "rq still showed as its own after Redis came back: their ends were lost",
+            )
+        except redis.RedisError:
+            log.warning("could not fail the jobs whose end Redis lost", exc_info=True)
 
     def shutdown(self) -> None:
         try:

@@ -23,6 +23,7 @@ import redis
 from rq import Queue
 from rq.exceptions import DequeueTimeout, DeserializationError
 from rq.executions import Execution
+from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job, JobStatus
 from rq.registry import CanceledJobRegistry, FailedJobRegistry, clean_registries
 from rq.results import Result
@@ -168,6 +169,28 @@ class RqIntake:
             statuses = pipe.execute()
         started = JobStatus.STARTED.value.encode()
         return [status == started for status in statuses]
+
+    def reclaim_unstarted(self, taken: list[TakenJob]) -> list[bool]:
+        """For each job this worker took, whether Redis shows it taken but never started (still
+        `queued`, in its queue's intermediate list: the start pipeline was lost to a failover or
+        a restart from a snapshot). Each such job leaves the intermediate list here, so nobody
+        holds it but this worker, which must fail it: no router would hear of it again."""
+        if not taken:
+            return []
+        with self.connection.pipeline(transaction=False) as pipe:
+            for job in taken:
+                pipe.hget(job.job.key, "status")
+            statuses = pipe.execute()
+        queued = JobStatus.QUEUED.value.encode()
+        waiting = [job for job, status in zip(taken, statuses, strict=True) if status == queued]
+        if not waiting:
+            return [False] * len(taken)
+        with self.connection.pipeline(transaction=False) as pipe:
+            for job in waiting:
+                origin = Queue.redis_queue_namespace_prefix + job.job.origin
+                pipe.lrem(IntermediateQueue.get_intermediate_queue_key(origin), 0, job.id)
+            removed = dict(zip((job.id for job in waiting), pipe.execute(), strict=True))
+        return [bool(removed.get(job.id)) for job in taken]
 
     def clean_registries(self) -> None:
         """rq's own registry maintenance for this worker's queues (its workers run it every few

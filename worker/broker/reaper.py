@@ -88,16 +88,21 @@ class Reaper:
     def reap_own_past(self) -> list[str]:
         """At process start: fail the jobs this worker id's previous process left started (a
         crash, then a restart faster than peers could see the death), before serving."""
+        return self.reap_own_leftovers("restarted", "its last process left running")
+
+    def reap_own_leftovers(self, why: str, what: str) -> list[str]:
+        """Fail the jobs rq shows started by this worker id, or taken from its own queue and not
+        started, while this process runs none of them: a previous process's (a restart), or
+        ones whose end Redis lost (a failover, or a restart from a snapshot, brings a job back
+        as it was when the copy was taken). Failed as lost, so each router runs its request
+        again or ends it, instead of waiting on a job nobody holds. `why` completes "worker W
+        ... while running this job"; `what` the log's "failed N job(s) ..."."""
         wid = self.presence.worker_id
         ended = self._running_on(keys.rq_worker_name(wid), wid)
-        self._fail_in_transit(wid, "restarted")
+        self._fail_in_transit(wid, why)
         if ended:
-            self._end(ended, f"{WORKER_LOST_MARK} worker {wid} restarted while running this job")
-            log.warning(
-                "worker %s restarted: failed %d job(s) its last process left running",
-                wid,
-                len(ended),
-            )
+            self._end(ended, f"{WORKER_LOST_MARK} worker {wid} {why} while running this job")
+            log.warning("worker %s: failed %d job(s) %s", wid, len(ended), what)
         return [taken.id for taken in ended]
 
     def _end(self, ended: list[TakenJob], error: str) -> None:

@@ -186,8 +186,9 @@ class EmbeddingLoop:
     # -- Redis lost, stop ------------------------------------------------------------------
 
     def _reconnect(self, exc: Exception) -> None:
-        """Redis went away: nothing runs between iterations, so only the registration is
-        redone once Redis answers (the jobs of the failed iteration are rq's to clean)."""
+        """Redis went away: nothing runs between iterations, so the registration is redone
+        once Redis answers, and the jobs rq still shows as this worker's (the failed
+        iteration's, or ones whose end a failover lost) are failed as lost."""
         log.warning("lost Redis (%s); reconnecting", exc)
         delay = RECONNECT_MIN_S
         while self._stop_requests == 0:
@@ -199,6 +200,12 @@ class EmbeddingLoop:
                 time.sleep(delay)
                 delay = min(delay * 2, RECONNECT_MAX_S)
                 continue
+            try:
+                self.reaper.reap_own_leftovers(
+                    "lost Redis", "rq still showed as its own after Redis came back"
+                )
+            except redis.RedisError:
+                log.warning("could not fail the jobs left started by the lost Redis")
             log.info("reconnected to Redis; serving again")
             return
 
