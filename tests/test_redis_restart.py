@@ -4,8 +4,10 @@ started again on the same port (empty, as the embedded one restarts)."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -24,6 +26,14 @@ def _wait(predicate, timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(what)
         time.sleep(0.1)
+
+
+def _snapshot(server, tmp_path) -> Path:
+    """A copy of Redis's state now (SAVE is the admin's command, not the pool's)."""
+    redis.Redis.from_url(server.admin_url).save()
+    snapshot = tmp_path / "dump.rdb"
+    shutil.copy(f"{server.workdir}/dump.rdb", snapshot)
+    return snapshot
 
 
 def test_worker_survives_a_redis_restart(start_worker) -> None:
@@ -54,8 +64,6 @@ def test_a_persistent_redis_restart_fails_the_running_request(start_worker, tmp_
     """Redis restarts from its snapshot, so the job the worker was running is still there: the
     worker fails it (an error event for its client, the FailedJobRegistry for rq) and serves on.
     (A connection merely cut is retried by redis-py itself and never reaches the worker.)"""
-    import shutil
-
     from rq.registry import FailedJobRegistry
 
     from shared.wire import MsgpackSerializer
@@ -66,9 +74,7 @@ def test_a_persistent_redis_restart_fails_the_running_request(start_worker, tmp_
         w = start_worker(server.url, "w1")
         running = enqueue(r, list(range(10, 30)), max_tokens=1900)
         _wait(lambda: r.xlen(keys.request_stream(running)) > 3, 20, "the request is streaming")
-        redis.Redis.from_url(server.admin_url).save()  # SAVE is the admin's, not the pool's
-        snapshot = tmp_path / "dump.rdb"
-        shutil.copy(f"{server.workdir}/dump.rdb", snapshot)
+        snapshot = _snapshot(server, tmp_path)
         server.stop()
         time.sleep(1.5)
         server = start_redis(port=server.port, rdb=snapshot, password=server.password)
@@ -92,8 +98,6 @@ def test_a_snapshot_that_missed_a_finished_jobs_end_brings_it_back_and_the_worke
     end. The worker, which runs nothing of it, fails it as lost, so rq shows the truth and a
     router still waiting on it (it had not read the end either) runs it again or ends it,
     instead of waiting for ever on a job nobody holds."""
-    import shutil
-
     from rq.job import Job
     from rq.registry import FailedJobRegistry, StartedJobRegistry
 
@@ -106,9 +110,7 @@ def test_a_snapshot_that_missed_a_finished_jobs_end_brings_it_back_and_the_worke
         w = start_worker(server.url, "w1")
         job = enqueue(r, list(range(10, 30)), max_tokens=600)
         _wait(lambda: r.xlen(keys.request_stream(job)) > 3, 20, "the request is streaming")
-        redis.Redis.from_url(server.admin_url).save()  # SAVE is the admin's, not the pool's
-        snapshot = tmp_path / "dump.rdb"
-        shutil.copy(f"{server.workdir}/dump.rdb", snapshot)
+        snapshot = _snapshot(server, tmp_path)
         assert read_events(r, job)[-1].kind == "done"  # its end reached Redis, after the copy
 
         probe = start_redis(rdb=snapshot, password=server.password)  # what the copy holds

@@ -161,27 +161,25 @@ class RqIntake:
         """For each job, whether rq still records it as started, in one round trip: one that is
         not was ended by the pool meanwhile (a peer's reaper failed it, Redis lost it), and
         this worker must leave its records and stream alone."""
+        started = JobStatus.STARTED.value.encode()
+        return [status == started for status in self._statuses(taken)]
+
+    def _statuses(self, taken: list[TakenJob]) -> list[bytes | None]:
+        """Each job's status as Redis holds it now, in one round trip."""
         if not taken:
             return []
         with self.connection.pipeline(transaction=False) as pipe:
             for job in taken:
                 pipe.hget(job.job.key, "status")
-            statuses = pipe.execute()
-        started = JobStatus.STARTED.value.encode()
-        return [status == started for status in statuses]
+            return pipe.execute()
 
     def reclaim_unstarted(self, taken: list[TakenJob]) -> list[bool]:
         """For each job this worker took, whether Redis shows it taken but never started (still
         `queued`, in its queue's intermediate list: the start pipeline was lost to a failover or
         a restart from a snapshot). Each such job leaves the intermediate list here, so nobody
         holds it but this worker, which must fail it: no router would hear of it again."""
-        if not taken:
-            return []
-        with self.connection.pipeline(transaction=False) as pipe:
-            for job in taken:
-                pipe.hget(job.job.key, "status")
-            statuses = pipe.execute()
         queued = JobStatus.QUEUED.value.encode()
+        statuses = self._statuses(taken)
         waiting = [job for job, status in zip(taken, statuses, strict=True) if status == queued]
         if not waiting:
             return [False] * len(taken)
