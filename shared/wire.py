@@ -328,8 +328,9 @@ REDIS_UNAVAILABLE = "redis_unavailable"
 class StreamEvent:
     """One entry of a request's stream. `start` once (worker id, cached tokens), `delta`s with
     text and token ids, then exactly one of `done` (finish reason and usage) or `error`. `seq`
-    numbers a request's events 0, 1, 2, ...: a reader drops a repeat and stops at a gap, so a
-    write Redis applied twice or lost can never show as text."""
+    numbers a request's events 0, 1, 2, ...: a reader drops a repeat, stops at a gap and at a
+    repeat that differs (the job ran again), so a write Redis applied twice or lost can never
+    show as text."""
 
     kind: EventKind
     seq: int = 0

@@ -387,6 +387,49 @@ def test_a_gap_in_the_stream_ends_the_request_instead_of_wrong_text(
     assert error["code"] == "redis_unavailable"  # Redis lost writes: a 503 the client may retry
 
 
+def _run_again(r: redis.Redis, req: GenerationRequest, *events: StreamEvent) -> None:
+    """The job run again from its start, into the same stream (a failover's new primary lost
+    its dequeue and another take ran it): its events numbered from 0 again."""
+    _played[req.request_id] = 0
+    play(r, req, *events)
+
+
+def test_a_job_run_again_with_the_same_text_so_far_goes_on_as_one_answer(
+    router_url: str, r: redis.Redis, pool: ThreadPoolExecutor, model_id: str
+) -> None:
+    fut = pool.submit(post, router_url, "/v1/completions", {"model": model_id, "prompt": "x"})
+    _, req = take_job(r)
+    a, b = (StreamEvent(kind="delta", text=t, token_ids=[i]) for i, t in ((1, "a"), (2, "b")))
+    play(r, req, StreamEvent(kind="start", worker_id="w1"), a, b)
+    done = StreamEvent(kind="done", finish_reason="length", completion_tokens=3)
+    # A warmer cache the second time: its start says so, which tells the client nothing.
+    _run_again(r, req, StreamEvent(kind="start", worker_id="w1", cached_tokens=1), a, b)
+    play(r, req, StreamEvent(kind="delta", text="c", token_ids=[3]), done)
+    resp = fut.result(15)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == "abc"
+
+
+def test_a_job_run_again_whose_text_went_another_way_ends_instead_of_joining_two_answers(
+    router_url: str, r: redis.Redis, pool: ThreadPoolExecutor, model_id: str
+) -> None:
+    body = {"model": model_id, "prompt": "x", "stream": True}
+    fut: Future[list[str]] = pool.submit(sse_lines, router_url, "/v1/completions", body)
+    _, req = take_job(r)
+    a = StreamEvent(kind="delta", text="a", token_ids=[1])
+    play(r, req, StreamEvent(kind="start", worker_id="w1"), a, StreamEvent(kind="delta", text="b"))
+    # Sampled: the second run drew another token at seq 2, then went on past what was relayed.
+    _run_again(r, req, StreamEvent(kind="start", worker_id="w2"), a)
+    play(r, req, StreamEvent(kind="delta", text="X"), StreamEvent(kind="delta", text="Y"))
+    lines = fut.result(15)
+    texts = [json.loads(x[6:]).get("choices", [{}])[0].get("text") for x in lines[:-2]]
+    assert texts.count("a") == 1 and "b" in texts
+    assert "X" not in texts and "Y" not in texts
+    error = json.loads(lines[-2].removeprefix("data: "))["error"]
+    assert "ran again" in error["message"] and "at event 2" in error["message"]
+    assert error["code"] == "redis_unavailable"  # Redis lost the job's progress: retryable
+
+
 def _beating(r: redis.Redis, wid: str, age_s: float) -> None:
     """A worker's info hash as its last heartbeat `age_s` ago left it, and, past the dead
     threshold, the verdict a live peer's reaper writes (what the router reads)."""

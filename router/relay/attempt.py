@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.errors import ErrorKind
-from shared.wire import GenerationRequest
+from shared.wire import GenerationRequest, StreamEvent
 
 
 @dataclass
@@ -19,10 +19,21 @@ class Attempt:
     # The worker wrote the request's last event (`done` or `error` in its stream): it writes no
     # more, so its stream can go. Any other end (an error the router made up) cancels the job.
     finished: bool = False
+    # What each relayed event said, by seq (`fingerprint`): an event whose seq was relayed
+    # already is a write Redis applied twice only while it says the same thing.
+    said: list[int] = field(default_factory=list)
 
     @property
     def job_id(self) -> str:
         return self.gen.request_id
+
+
+def fingerprint(event: StreamEvent) -> int:
+    """What an event tells the client (a `start` tells nothing: a run on a warmer cache
+    reports other cached tokens)."""
+    if event.kind == "start":
+        return 0
+    return hash((event.kind, event.text, tuple(event.token_ids), event.finish_reason))
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-from router.relay.attempt import Attempt, JobState
+from router.relay.attempt import Attempt, JobState, fingerprint
 from router.relay.event_decode import decode_entry, entry_ms, error_event
 from router.relay.stream_hub import Feed
 from shared.errors import ErrorKind
@@ -102,13 +102,22 @@ class Watch:
         request (the worker's own error after a gap says why the events were lost)."""
         attempt = self.attempt
         if event.seq < attempt.next_seq and event.error_type != JOB_FAILED:
-            return None, False  # a write Redis applied twice: relayed already
+            said = attempt.said
+            if 0 <= event.seq < len(said) and said[event.seq] == fingerprint(event):
+                # A write Redis applied twice, or the job run again from its start (a failover
+                # lost its dequeue) with the same text so far: relayed already.
+                return None, False
+            # The job ran again from its start and its text went another way than what was
+            # relayed: only Redis loses a job's progress, so the same retryable 503 as a gap.
+            rerun = "the request ran again after Redis lost its progress, and its text differs"
+            return error_event(ErrorKind.REDIS_UNAVAILABLE, f"{rerun} at event {event.seq}"), True
         if event.seq > attempt.next_seq and event.kind != "error":
             # Only Redis loses a stream's writes (a failover, a restart): retryable 503.
             missing = f"{attempt.next_seq}..{event.seq - 1}"
             lost = f"the request's stream lost events {missing}; its text is incomplete"
             return error_event(ErrorKind.REDIS_UNAVAILABLE, lost), True
         attempt.next_seq = event.seq + 1
+        attempt.said.append(fingerprint(event))
         if event.kind == "start":
             attempt.worker_id = event.worker_id
         attempt.finished = event.kind in ("done", "error")  # the worker's own last event
