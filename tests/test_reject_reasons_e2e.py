@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,10 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
+from mlxcel_pool.supervisor import Pool
 from shared import keys
 from shared.reject import REJECT_REASONS
+from tests.conftest import WorkerProcess
 from tests.pool_fixture import TINY_MODEL, complete_tokens, running_pool, wait_for
 from tests.streams import enqueue, read_events
 
@@ -30,6 +33,43 @@ pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
 
 MODEL = TINY_MODEL
 TRACE = {"MLXCEL_APC_TRACE": "1"}
+
+
+@pytest.fixture(scope="module")
+def routers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+    """Redis and the routers, with no worker: every reject reason is a worker's setting, so each
+    test starts its own worker, configured to provoke its reasons, against the same routers."""
+    with running_pool(tiny_model_dir, tmp_path_factory.mktemp("reject-pool"), workers=0) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def started_keys(routers: Pool) -> frozenset[bytes]:
+    """The keys the routers wrote at their start, before any worker or request."""
+    return frozenset(redis.Redis.from_url(routers.redis_url).scan_iter())
+
+
+@pytest.fixture
+def pool(routers: Pool, started_keys: frozenset[bytes]) -> Pool:
+    """The routers' pool as it was just after it started: every key an earlier test's workers
+    and requests left (rosters, counters, queues, routing state) is dropped, so counts start at
+    zero whatever ran before."""
+    r = redis.Redis.from_url(routers.redis_url)
+    left = [k for k in r.scan_iter() if k not in started_keys]
+    if left:
+        r.delete(*left)
+    return routers
+
+
+def start_w1(pool: Pool, start_worker, env: dict[str, str], argv: list[str] | None = None):
+    """Worker `w1` of the tiny model, tracing its cache events, with `env` on top."""
+    env = {**TRACE, "PROMETHEUS_MULTIPROC_DIR": str(pool.settings.multiproc_dir), **env}
+    return start_worker(pool.redis_url, "w1", env=env, argv=argv)
+
+
+def full_log(worker) -> str:
+    """The worker's whole log (WorkerProcess.log is its tail): every trace line is counted."""
+    return worker.log_path.read_text(errors="replace")
 
 
 def toks(n: int, start: int = 10) -> list[int]:
@@ -89,54 +129,52 @@ def assert_rejects_everywhere(
         assert all(f"worker={worker_id}" in ln for ln in lines)
 
 
-def test_disabled(tiny_model_dir: Path, tmp_path: Path) -> None:
-    env = {**TRACE, "MLXCEL_PROMPT_CACHE_ENABLED": "false"}
-    with running_pool(tiny_model_dir, tmp_path, env=env) as pool:
-        out = complete(pool, toks(40))
-        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        wait_for(lambda: "reason=disabled" in pool.logs("w1"), 10, "trace line")
-        assert_rejects_everywhere(pool, pool.logs("w1"), "w1", {"disabled": 1}, "disabled")
-        s = stats(pool)  # same shape when disabled: zeros and limits
-        assert s["enabled"] is False and s["entries"] == 0 and s["hits"] == 0
-        assert s["capacity_bytes"] == 2 * 1024**3 and s["max_entries"] == 1024
+def test_disabled(pool: Pool, start_worker) -> None:
+    w = start_w1(pool, start_worker, {"MLXCEL_PROMPT_CACHE_ENABLED": "false"})
+    out = complete(pool, toks(40))
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    wait_for(lambda: "reason=disabled" in full_log(w), 10, "trace line")
+    assert_rejects_everywhere(pool, full_log(w), "w1", {"disabled": 1}, "disabled")
+    s = stats(pool)  # same shape when disabled: zeros and limits
+    assert s["enabled"] is False and s["entries"] == 0 and s["hits"] == 0
+    assert s["capacity_bytes"] == 2 * 1024**3 and s["max_entries"] == 1024
 
 
-def test_prefix_too_short_then_oversized(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_prefix_too_short_then_oversized(pool: Pool, start_worker) -> None:
     env = {
-        **TRACE,
         "MLXCEL_SERVER_DECODE_STORAGE": "dense",
         "MLXCEL_PROMPT_CACHE_CAPACITY_BYTES": "4096",
         "MLXCEL_PROMPT_CACHE_MIN_PREFIX": "32",
     }
-    with running_pool(tiny_model_dir, tmp_path, env=env) as pool:
-        complete(pool, toks(10))  # 14 tokens < 32: declined before any KV is detached
-        complete(pool, toks(60))  # 64 tokens of KV is far over a 4 KiB budget
-        wait_for(lambda: "reason=oversized" in pool.logs("w1"), 10, "trace line")
-        assert_rejects_everywhere(
-            pool, pool.logs("w1"), "w1", {"prefix_too_short": 1, "oversized": 1}, "oversized"
-        )
-        assert stats(pool)["rejections_oversized"] == 1
-        assert stats(pool)["entries"] == 0
+    w = start_w1(pool, start_worker, env)
+    complete(pool, toks(10))  # 14 tokens < 32: declined before any KV is detached
+    complete(pool, toks(60))  # 64 tokens of KV is far over a 4 KiB budget
+    wait_for(lambda: "reason=oversized" in full_log(w), 10, "trace line")
+    assert_rejects_everywhere(
+        pool, full_log(w), "w1", {"prefix_too_short": 1, "oversized": 1}, "oversized"
+    )
+    assert stats(pool)["rejections_oversized"] == 1
+    assert stats(pool)["entries"] == 0
 
 
-def test_paged_empty_set_and_block_boundary_floor(tiny_model_dir: Path, tmp_path: Path) -> None:
-    env = {**TRACE, "MLXCEL_SERVER_DECODE_STORAGE": "paged", "MLXCEL_PROMPT_CACHE_MIN_PREFIX": "16"}
-    with running_pool(tiny_model_dir, tmp_path, env=env) as pool:
-        complete(pool, toks(10), max_tokens=10)  # 20 tokens: no whole 32-token block to keep
-        wait_for(lambda: "reason=empty_set" in pool.logs("w1"), 10, "empty_set")
-        base = toks(64, start=100)
-        complete(pool, base)  # stored: two whole blocks
-        # Shares 20 tokens: APC keeps one 16-token block (>= 16), paged flooring leaves 0 < 16.
-        out = complete(pool, base[:20] + toks(12, start=500))
-        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        wait_for(lambda: "reason=block_boundary_floor" in pool.logs("w1"), 10, "floor")
-        assert_rejects_everywhere(
-            pool,
-            pool.logs("w1"),
-            "w1",
-            {"empty_set": 1, "block_boundary_floor": 1},
-            "block_boundary_floor",
-        )
+def test_paged_empty_set_and_block_boundary_floor(pool: Pool, start_worker) -> None:
+    env = {"MLXCEL_SERVER_DECODE_STORAGE": "paged", "MLXCEL_PROMPT_CACHE_MIN_PREFIX": "16"}
+    w = start_w1(pool, start_worker, env)
+    complete(pool, toks(10), max_tokens=10)  # 20 tokens: no whole 32-token block to keep
+    wait_for(lambda: "reason=empty_set" in full_log(w), 10, "empty_set")
+    base = toks(64, start=100)
+    complete(pool, base)  # stored: two whole blocks
+    # Shares 20 tokens: APC keeps one 16-token block (>= 16), paged flooring leaves 0 < 16.
+    out = complete(pool, base[:20] + toks(12, start=500))
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    wait_for(lambda: "reason=block_boundary_floor" in full_log(w), 10, "floor")
+    assert_rejects_everywhere(
+        pool,
+        full_log(w),
+        "w1",
+        {"empty_set": 1, "block_boundary_floor": 1},
+        "block_boundary_floor",
+    )
 
 
 @pytest.mark.parametrize(
@@ -147,28 +185,39 @@ def test_paged_empty_set_and_block_boundary_floor(tiny_model_dir: Path, tmp_path
     ],
 )
 def test_injected_entry_rejects(
-    tiny_model_dir: Path, tmp_path: Path, start_worker, scenario: str, storage: str, reason: str
+    pool: Pool, start_worker, scenario: str, storage: str, reason: str
 ) -> None:
     prompt = toks(64, start=200)
-    with running_pool(tiny_model_dir, tmp_path, workers=0) as pool:
-        w = start_worker(
-            pool.redis_url,
-            "w1",
-            env={
-                **TRACE,
-                "MLXCEL_SERVER_DECODE_STORAGE": storage,
-                "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "prom"),
-            },
-            argv=["tests.drivers.inject_worker", scenario, json.dumps(prompt)],
-        )
-        out = complete(pool, prompt + [7])  # the adopt path meets the injected entry
-        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        wait_for(lambda: f"reason={reason}" in w.log(), 10, "trace line")
-        assert_rejects_everywhere(pool, w.log(), "w1", {reason: 1}, reason)
+    w = start_w1(
+        pool,
+        start_worker,
+        {"MLXCEL_SERVER_DECODE_STORAGE": storage},
+        argv=["tests.drivers.inject_worker", scenario, json.dumps(prompt)],
+    )
+    out = complete(pool, prompt + [7])  # the adopt path meets the injected entry
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    wait_for(lambda: f"reason={reason}" in full_log(w), 10, "trace line")
+    assert_rejects_everywhere(pool, full_log(w), "w1", {reason: 1}, reason)
+
+
+@pytest.fixture
+def spawn_worker(tmp_path: Path, tiny_model_dir: Path) -> Iterator[Any]:
+    """Like start_worker, but it returns before the worker is ready: workers spawned together
+    load the model at the same time. Each is stopped when the test ends."""
+    spawned: list[WorkerProcess] = []
+
+    def _spawn(redis_url: str, worker_id: str, env: dict[str, str]) -> WorkerProcess:
+        w = WorkerProcess(redis_url, tiny_model_dir, worker_id, tmp_path, env)
+        spawned.append(w)
+        return w
+
+    yield _spawn
+    for w in spawned:
+        w.stop()
 
 
 def test_two_workers_sum_and_survive_kill_and_restart(
-    tiny_model_dir: Path, tmp_path: Path, start_worker
+    tiny_model_dir: Path, tmp_path: Path, start_worker, spawn_worker
 ) -> None:
     env = {
         **TRACE,
@@ -178,8 +227,10 @@ def test_two_workers_sum_and_survive_kill_and_restart(
     }
     with running_pool(tiny_model_dir, tmp_path, workers=0) as pool:
         r = redis.Redis.from_url(pool.redis_url)
-        w1 = start_worker(pool.redis_url, "w1", env=env)
-        w2 = start_worker(pool.redis_url, "w2", env=env)
+        w1 = spawn_worker(pool.redis_url, "w1", env)
+        w2 = spawn_worker(pool.redis_url, "w2", env)
+        w1.wait_ready()
+        w2.wait_ready()
         # Each worker's own queue, so we know who records what.
         for _ in range(2):
             read_events(r, enqueue(r, toks(8), queue=keys.worker_queue_name("w1")))
