@@ -5,6 +5,8 @@ stays fast."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,6 +14,8 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 
 from router.dialects.anthropic_errors import speaks_anthropic
+from tests.conftest import SHARED_POOL_ENV, SHARED_POOL_OVERRIDES
+from tests.pool_fixture import running_pool
 
 pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
 
@@ -23,8 +27,16 @@ EXAMPLES = 40  # per operation
 
 
 @pytest.fixture(scope="module")
-def fuzz_pool(shared_pool: Any) -> Any:
-    return shared_pool  # the session's pool: this module needs no settings of its own
+def fuzz_pool(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The shared pool's settings but for the default token budget: a generated body that leaves
+    out max_tokens (or sends null) is fuzzed as it is, and still costs only MAX_FUZZED_TOKENS."""
+    overrides = {
+        **SHARED_POOL_OVERRIDES,
+        "worker": {**SHARED_POOL_OVERRIDES["worker"], "default_max_tokens": MAX_FUZZED_TOKENS},
+    }
+    work = tmp_path_factory.mktemp("fuzz-pool")
+    with running_pool(tiny_model_dir, work, env=SHARED_POOL_ENV, overrides=overrides) as pool:
+        yield pool
 
 
 def _aim(body: Any, model: str) -> None:
