@@ -21,6 +21,7 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
+from router.cancellation import stop_if_cancelled
 from router.edge.busy_gate import BusyGate
 from router.placement.place_call import PlaceArgs, Placement, Refusal, parse_reply
 from router.placement.routing_metrics import observe_start
@@ -286,6 +287,7 @@ class AdmissionLedger:
 
     async def _keep_alive(self) -> None:
         while True:
+            stop_if_cancelled()  # a stop swallowed by the last refresh's send ends it here
             await asyncio.sleep(self.config.reservation_ttl_s / 3)
             held = list(self._held.items())
             if not held:

@@ -25,6 +25,7 @@ from typing import Any
 
 import redis
 
+from router.cancellation import stop_if_cancelled
 from shared import keys
 from shared.config import RedisConfig
 from shared.redis_clients import async_client
@@ -206,6 +207,7 @@ class StreamHub:
         pool = self._reader.connection_pool
         conn = None
         while True:
+            stop_if_cancelled()  # a read returns within BLOCK_MS: a swallowed stop lands here
             if not self._subs:
                 self._changed.clear()
                 await self._changed.wait()
