@@ -122,6 +122,13 @@ def sse_lines(url: str, path: str, body: dict[str, Any]) -> list[str]:
         return [line for line in resp.iter_lines() if line]
 
 
+def sse_error(lines: list[str]) -> tuple[list[str | None], dict[str, Any]]:
+    """A streamed response that ended with an error: its chunks' texts, and the error object
+    (the event before `[DONE]`)."""
+    texts = [json.loads(x[6:]).get("choices", [{}])[0].get("text") for x in lines[:-2]]
+    return texts, json.loads(lines[-2].removeprefix("data: "))["error"]
+
+
 def post(url: str, path: str, body: dict[str, Any]) -> httpx.Response:
     with httpx.Client(base_url=url, timeout=15) as c:
         return c.post(path, json=body)
@@ -380,9 +387,8 @@ def test_a_gap_in_the_stream_ends_the_request_instead_of_wrong_text(
     lost = StreamEvent(kind="delta", text="c", seq=3)  # seq 2 never arrived
     r.xadd(keys.request_stream(req.request_id), {STREAM_FIELD: lost.to_wire()})
     lines = fut.result(15)
-    texts = [json.loads(x[6:]).get("choices", [{}])[0].get("text") for x in lines[:-2]]
+    texts, error = sse_error(lines)
     assert "c" not in texts
-    error = json.loads(lines[-2].removeprefix("data: "))["error"]
     assert "lost events 2..2" in error["message"]
     assert error["code"] == "redis_unavailable"  # Redis lost writes: a 503 the client may retry
 
@@ -422,10 +428,9 @@ def test_a_job_run_again_whose_text_went_another_way_ends_instead_of_joining_two
     _run_again(r, req, StreamEvent(kind="start", worker_id="w2"), a)
     play(r, req, StreamEvent(kind="delta", text="X"), StreamEvent(kind="delta", text="Y"))
     lines = fut.result(15)
-    texts = [json.loads(x[6:]).get("choices", [{}])[0].get("text") for x in lines[:-2]]
+    texts, error = sse_error(lines)
     assert texts.count("a") == 1 and "b" in texts
     assert "X" not in texts and "Y" not in texts
-    error = json.loads(lines[-2].removeprefix("data: "))["error"]
     assert "ran again" in error["message"] and "at event 2" in error["message"]
     assert error["code"] == "redis_unavailable"  # Redis lost the job's progress: retryable
 
