@@ -15,7 +15,6 @@ class Attempt:
     gen: GenerationRequest
     number: int = 1
     worker_id: str = ""
-    next_seq: int = 0
     # The worker wrote the request's last event (`done` or `error` in its stream): it writes no
     # more, so its stream can go. Any other end (an error the router made up) cancels the job.
     finished: bool = False
@@ -26,6 +25,11 @@ class Attempt:
     @property
     def job_id(self) -> str:
         return self.gen.request_id
+
+    @property
+    def next_seq(self) -> int:
+        """The seq of the next event to relay: events are relayed 0, 1, 2, ... with no gap."""
+        return len(self.said)
 
 
 def fingerprint(event: StreamEvent) -> int:

@@ -102,8 +102,7 @@ class Watch:
         request (the worker's own error after a gap says why the events were lost)."""
         attempt = self.attempt
         if event.seq < attempt.next_seq and event.error_type != JOB_FAILED:
-            said = attempt.said
-            if 0 <= event.seq < len(said) and said[event.seq] == fingerprint(event):
+            if event.seq >= 0 and attempt.said[event.seq] == fingerprint(event):
                 # A write Redis applied twice, or the job run again from its start (a failover
                 # lost its dequeue) with the same text so far: relayed already.
                 return None, False
@@ -116,8 +115,7 @@ class Watch:
             missing = f"{attempt.next_seq}..{event.seq - 1}"
             lost = f"the request's stream lost events {missing}; its text is incomplete"
             return error_event(ErrorKind.REDIS_UNAVAILABLE, lost), True
-        attempt.next_seq = event.seq + 1
-        attempt.said.append(fingerprint(event))
+        attempt.said.append(fingerprint(event))  # its seq is next_seq: the next one's is 1 more
         if event.kind == "start":
             attempt.worker_id = event.worker_id
         attempt.finished = event.kind in ("done", "error")  # the worker's own last event
