@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -38,13 +37,12 @@ from common import (
     mlx_lm_server,
     new_client,
     output_args,
+    pool_side,
     ratio,
     stream_request,
     table,
     write_json,
 )
-
-from tests.pool_fixture import running_pool
 
 PROMPT_TOKENS = 64
 WARMUP_REQUESTS = 2
@@ -122,7 +120,8 @@ async def _measure(
 ) -> Split:
     async with new_client(url) as client:
         for prompt in prompts[:WARMUP_REQUESTS]:
-            await stream_request(client, "/v1/completions", completion_body(model, prompt, 64))
+            body = completion_body(model, prompt, max_tokens)
+            await stream_request(client, "/v1/completions", body)
         holder, others = find()
         me = psutil.Process()
         groups = {**others, "client": [me]}
@@ -153,12 +152,8 @@ async def _measure(
 def _side(side: str, model_dir: Path) -> Iterator[tuple[str, str]]:
     if side == "pool":
         env = {"MLXCEL_PROMPT_CACHE_ENABLED": "false"}
-        overrides = {"router": {"processes": 1}}
-        with (
-            tempfile.TemporaryDirectory(prefix="mlxcel-bench-") as tmp,
-            running_pool(model_dir, Path(tmp), env=env, overrides=overrides) as pool,
-        ):
-            yield pool.url, model_dir.name
+        with pool_side(model_dir, env=env, router_processes=1) as url:
+            yield url, model_dir.name
     else:
         with mlx_lm_server(model_dir) as url:
             yield url, SERVER_MODEL
@@ -175,7 +170,8 @@ def main() -> int:
     requests, repeats = (6, 1) if args.quick else (args.requests, args.repeats)
     machine = announce()
     model_dir = bench_model_dir()
-    prompts = distinct_prompts(load_hf_tokenizer(model_dir), WARMUP_REQUESTS + requests, 64)
+    count = WARMUP_REQUESTS + requests
+    prompts = distinct_prompts(load_hf_tokenizer(model_dir), count, PROMPT_TOKENS)
     splits: list[Split] = []
     for round_ in range(repeats):
         for side in ("pool", "server") if round_ % 2 == 0 else ("server", "pool"):
