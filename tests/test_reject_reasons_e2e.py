@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,13 +61,18 @@ def pool(routers: Pool, started_keys: frozenset[bytes]) -> Pool:
     return routers
 
 
-def start_w1(pool: Pool, start_worker, env: dict[str, str], argv: list[str] | None = None):
+def start_w1(
+    pool: Pool,
+    start_worker: Callable[..., WorkerProcess],
+    env: dict[str, str],
+    argv: list[str] | None = None,
+) -> WorkerProcess:
     """Worker `w1` of the tiny model, tracing its cache events, with `env` on top."""
     env = {**TRACE, "PROMETHEUS_MULTIPROC_DIR": str(pool.settings.multiproc_dir), **env}
     return start_worker(pool.redis_url, "w1", env=env, argv=argv)
 
 
-def full_log(worker) -> str:
+def full_log(worker: WorkerProcess) -> str:
     """The worker's whole log (WorkerProcess.log is its tail): every trace line is counted."""
     return worker.log_path.read_text(errors="replace")
 
