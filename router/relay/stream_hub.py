@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 BLOCK_MS = 1000
 READ_COUNT = 512
 RETRY_S = 0.5
-# How long the next read waits after one that brought entries (see _run): a small part of a
-# decode step, and no wait at all for an entry that comes later than that.
+# How long the next read waits after one that found its entries waiting (see _run): a small
+# part of a decode step, and no wait at all for an entry that comes later than that.
 READ_GATHER_S = 0.002
 # How late a reader waiting for its stream's next entries may learn that its wait is over.
 TICK_S = 0.1
@@ -205,6 +205,7 @@ class StreamHub:
 
     async def _run(self) -> None:
         pool = self._reader.connection_pool
+        loop = asyncio.get_running_loop()
         conn = None
         while True:
             stop_if_cancelled()  # a read returns within BLOCK_MS: a swallowed stop lands here
@@ -220,6 +221,7 @@ class StreamHub:
                 self._wake_sent = False
                 self._reading = True
                 try:
+                    sent_at = loop.time()
                     await conn.send_packed_command(command, check_health=False)
                     reply = await conn.read_response(disable_decoding=True)
                 finally:
@@ -236,10 +238,14 @@ class StreamHub:
                 continue
             if reply:
                 self._dispatch(reply)
-                # A worker's step pipeline wakes a blocked read at its first write: the next
-                # read waits for the rest to land (the readers just woken run meanwhile), so a
-                # step costs a read or two, not one for every few streams it wrote.
-                await asyncio.sleep(READ_GATHER_S)
+                # A read that found its entries waiting means writes land faster than reads: the
+                # next one waits for more to land (the readers just woken run meanwhile), so many
+                # workers' steps cost a read or two each, not one for every few streams. A read
+                # that blocked was woken by one worker's step, which is one script: the rest of
+                # it is there now (Redis before 7.2 answers a woken read with one stream), and a
+                # wait would be one more wake-up a step for nothing.
+                if loop.time() - sent_at < READ_GATHER_S:
+                    await asyncio.sleep(READ_GATHER_S)
 
     def _dispatch(self, reply: list[Any] | dict[bytes, Any]) -> None:
         """The reply's entries to their feeds: RESP2 answers a list of [key, entries], RESP3 a
