@@ -242,8 +242,8 @@ class StreamHub:
                 # next one waits for more to land (the readers just woken run meanwhile), so many
                 # workers' steps cost a read or two each, not one for every few streams. A read
                 # that blocked was woken by one worker's step, which is one script: the rest of
-                # it is there now (Redis before 7.2 answers a woken read with one stream), and a
-                # wait would be one more wake-up a step for nothing.
+                # it is there now (even if the woken read's reply named only some of its
+                # streams), and a wait would be one more wake-up a step for nothing.
                 if loop.time() - sent_at < READ_GATHER_S:
                     await asyncio.sleep(READ_GATHER_S)
 
