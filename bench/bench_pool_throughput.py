@@ -13,6 +13,11 @@ Sides run back to back at each concurrency level (order rotated per repeat); the
 level is repeated 3 times per side and the median reported. tok/s counts the tokens actually
 generated (usage.completion_tokens) over the wall time from the first send to the last token.
 
+`--load chat` sends chat completions of short user messages (~16 tokens, the chat template
+around them; the engine gets the same template's tokens) instead of ~64-token completions;
+`--no-stream` asks the pool and mlx_lm.server for whole responses (tok/s over the round's last
+response; TTFT is then the whole response's time).
+
 `--sampling`: `neutral` (the default) sends temperature 0 and nothing else; `controls` gives
 every request the per-sequence machinery (CONTROLS: temperature, top_k, repetition_penalty and
 a small logit_bias that also bans EOS, so every sequence runs to max_tokens): the same request
@@ -22,7 +27,7 @@ then controls in one run.
 
     flock /tmp/mlxcel-bench.lock .venv/bin/python bench/bench_pool_throughput.py [--quick]
         [--concurrency 1,4,16,32] [--max-tokens 128] [--sampling neutral|controls|both]
-        [--json out.json]
+        [--load completions|chat] [--no-stream] [--json out.json]
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from common import (
     StreamResult,
     announce,
     bench_model_dir,
+    chat_body,
     completion_body,
     distinct_prompts,
     load_hf_tokenizer,
@@ -62,6 +68,7 @@ from shared.config import load_settings
 from shared.wire import GenerationRequest
 
 PROMPT_TOKENS = 64
+CHAT_PROMPT_TOKENS = 16  # --load chat: a short user message
 REPEATS_AT = {16: 3}
 GOAL_CONCURRENCY = 16
 GOAL_RATIO = 0.95
@@ -215,21 +222,68 @@ class Engine:
 # --- HTTP sides ------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Load:
+    """What the HTTP sides are sent: completions of ~64-token prompts or chat completions of
+    short user messages, streamed or whole."""
+
+    chat: bool = False
+    stream: bool = True
+
+    @property
+    def prompt_tokens(self) -> int:
+        return CHAT_PROMPT_TOKENS if self.chat else PROMPT_TOKENS
+
+    def describe(self) -> str:
+        what = "chat completions" if self.chat else "completions"
+        how = "streamed" if self.stream else "whole responses"
+        return f"{what} of ~{self.prompt_tokens}-token prompts, {how}"
+
+    def request(self, model: str, prompt: str, max_tokens: int) -> tuple[str, dict[str, Any]]:
+        if self.chat:
+            path = "/v1/chat/completions"
+            body = chat_body(model, [{"role": "user", "content": prompt}], max_tokens)
+        else:
+            path, body = "/v1/completions", completion_body(model, prompt, max_tokens)
+        if not self.stream:
+            body["stream"] = False
+            del body["stream_options"]
+        return path, body
+
+    def engine_tokens(self, tokenizer: Any, prompt: str) -> list[int]:
+        """The prompt's tokens as the router makes them (the chat template's, for chat)."""
+        if self.chat:
+            messages = [{"role": "user", "content": prompt}]
+            text = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+            return list(tokenizer.encode(text, add_special_tokens=False))
+        return list(tokenizer.encode(prompt))
+
+
 async def _http_round(
-    url: str, model: str, prompts: list[str], max_tokens: int, fields: dict[str, Any]
+    url: str, model: str, prompts: list[str], max_tokens: int, fields: dict[str, Any], load: Load
 ) -> list[StreamResult]:
     async with new_client(url, len(prompts)) as client:
-        bodies = [{**completion_body(model, p, max_tokens), **fields} for p in prompts]
+        requests = [load.request(model, p, max_tokens) for p in prompts]
         return list(
-            await asyncio.gather(*(stream_request(client, "/v1/completions", b) for b in bodies))
+            await asyncio.gather(
+                *(stream_request(client, path, {**body, **fields}) for path, body in requests)
+            )
         )
 
 
 def http_measure(
-    side: str, url: str, model: str, prompts: list[str], max_tokens: int, fields: dict[str, Any]
+    side: str,
+    url: str,
+    model: str,
+    prompts: list[str],
+    max_tokens: int,
+    fields: dict[str, Any],
+    load: Load,
 ) -> Measurement:
     start = time.perf_counter()
-    results = asyncio.run(_http_round(url, model, prompts, max_tokens, fields))
+    results = asyncio.run(_http_round(url, model, prompts, max_tokens, fields, load))
     wall = max(r.last or r.end for r in results) - start
     return Measurement(
         side,
@@ -252,17 +306,19 @@ class Sides:
     server_url: str
     model: str
     tokenizer: Any
+    load: Load
 
     def runner(
         self, side: str, prompts: list[str], max_tokens: int, sampling: Sampling
     ) -> Callable[[], Measurement]:
         if side == "engine":
-            ids = [list(self.tokenizer.encode(p)) for p in prompts]  # as the router encodes
+            ids = [self.load.engine_tokens(self.tokenizer, p) for p in prompts]
             return lambda: self.engine.run(ids, max_tokens, sampling)
         url, model = (
             (self.pool_url, self.model) if side == "pool" else (self.server_url, SERVER_MODEL)
         )
-        return lambda: http_measure(side, url, model, prompts, max_tokens, sampling.fields)
+        fields = sampling.fields
+        return lambda: http_measure(side, url, model, prompts, max_tokens, fields, self.load)
 
 
 def warm_up(sides: Sides, tokenizer: Any, sampling: Sampling) -> None:
@@ -277,7 +333,8 @@ def run_level(
     out: dict[str, list[Measurement]] = {s: [] for s in SIDES}
     for rep in range(REPEATS_AT.get(c, 1)):
         # Fresh prompts per repeat (no side can reuse a cached prompt), the same for every side.
-        prompts = distinct_prompts(sides.tokenizer, c, PROMPT_TOKENS, seed=seed + 100 * rep)
+        n_tokens = sides.load.prompt_tokens
+        prompts = distinct_prompts(sides.tokenizer, c, n_tokens, seed=seed + 100 * rep)
         order = SIDES[rep % 3 :] + SIDES[: rep % 3]
         for side in order:
             time.sleep(SETTLE_S)
@@ -313,7 +370,9 @@ def goal_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     return next((r for r in rows if r["concurrency"] == GOAL_CONCURRENCY), None)
 
 
-def print_report(rows: list[dict[str, Any]], max_tokens: int, sampling: Sampling) -> None:
+def print_report(
+    rows: list[dict[str, Any]], max_tokens: int, sampling: Sampling, load: Load
+) -> None:
     headers = [
         "conc",
         "reps",
@@ -341,11 +400,11 @@ def print_report(rows: list[dict[str, Any]], max_tokens: int, sampling: Sampling
         ]
         for r in rows
     ]
-    print(f"## sampling: {sampling.describe()}")
+    print(f"## sampling: {sampling.describe()}; load: {load.describe()}")
     print(table(headers, body))
     print(
-        f"(tok/s: median over repeats; max_tokens={max_tokens}, prompts ~{PROMPT_TOKENS} tokens, "
-        "distinct per request and per repeat)"
+        f"(tok/s: median over repeats; max_tokens={max_tokens}, prompts ~{load.prompt_tokens} "
+        "tokens, distinct per request and per repeat)"
     )
     cached = {s: sum(r[f"{s}_cached_tokens"] for r in rows) for s in ("pool", "server")}
     print(
@@ -394,6 +453,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="neutral: temperature 0 only; controls: every request with CONTROLS "
         "(top_k, a penalty, logit_bias); both: neutral, then controls",
     )
+    p.add_argument("--load", choices=("completions", "chat"), default="completions")
+    p.add_argument("--no-stream", action="store_true", help="whole responses, not SSE streams")
     args = p.parse_args(argv)
     if args.quick:
         args.concurrency, args.max_tokens = "1,4", 32
@@ -418,13 +479,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"# mlx_lm.server: its defaults {SERVER_DEFAULTS}")
     print(f"# sampling {args.sampling}: " + "; then ".join(s.describe() for s in samplings))
+    load = Load(chat=args.load == "chat", stream=not args.no_stream)
+    print(f"# load: {load.describe()}")
     env = {"MLXCEL_PROMPT_CACHE_ENABLED": "false"}
     runs: dict[str, list[dict[str, Any]]] = {}
     with (
         pool_side(model_dir, env, args.router_processes) as pool_url,
         mlx_lm_server(model_dir, server_args) as srv,
     ):
-        sides = Sides(engine, pool_url, srv, model_dir.name, tokenizer)
+        sides = Sides(engine, pool_url, srv, model_dir.name, tokenizer, load)
         for m, sampling in enumerate(samplings):
             warm_up(sides, tokenizer, sampling)
             # Each mode its own prompts: mlx_lm.server's prompt cache never sees one twice.
@@ -442,13 +505,15 @@ def main(argv: list[str] | None = None) -> int:
                 for i, c in enumerate(args.levels)
             ]
     for sampling in samplings:
-        print_report(runs[sampling.name], args.max_tokens, sampling)
+        print_report(runs[sampling.name], args.max_tokens, sampling, load)
     if len(runs) == 2:
         print_side_by_side(runs)
     data = {
         "machine": machine,
         "max_tokens": args.max_tokens,
         "sampling": args.sampling,
+        "load": args.load,
+        "stream": load.stream,
         "controls": samplings[-1].fields,
         "rows": runs[modes[0]],
         "runs": runs,

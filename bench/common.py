@@ -178,7 +178,8 @@ RETRIES = 3  # mlx_lm.server (http.server, backlog 5) can reset a burst of new c
 async def stream_request(
     client: aiohttp.ClientSession, path: str, body: dict[str, Any]
 ) -> StreamResult:
-    """POST a streaming request; time the first/last content chunks; read usage at the end.
+    """POST a streaming request; time the first/last content chunks; read usage at the end
+    (a body with `stream` false: its whole response, first = last = when it came).
     A connection reset before any content is retried (timings keep the original start)."""
     res = StreamResult(start=time.perf_counter())
     for attempt in range(RETRIES + 1):
@@ -200,6 +201,14 @@ async def _stream_into(
     async with client.post(path, json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{path} -> {resp.status}: {(await resp.text())[:500]}")
+        if not body.get("stream"):  # one JSON body: its whole text arrives at once
+            whole = await resp.json()
+            now = time.perf_counter()
+            for choice in whole.get("choices") or []:
+                if "message" in choice:  # chat's: read as a delta (completions' is `text`)
+                    choice["delta"] = choice["message"]
+            _apply_chunk(res, whole, now)
+            return
         async for line in resp.content:  # one SSE line at a time
             if not line.startswith(b"data: "):
                 continue
