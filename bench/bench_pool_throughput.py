@@ -27,7 +27,7 @@ then controls in one run.
 
     flock /tmp/mlxcel-bench.lock .venv/bin/python bench/bench_pool_throughput.py [--quick]
         [--concurrency 1,4,16,32] [--max-tokens 128] [--sampling neutral|controls|both]
-        [--load completions|chat] [--no-stream] [--json out.json]
+        [--load completions|chat] [--no-stream] [--repeats N] [--json out.json]
 """
 
 from __future__ import annotations
@@ -328,10 +328,10 @@ def warm_up(sides: Sides, tokenizer: Any, sampling: Sampling) -> None:
 
 
 def run_level(
-    sides: Sides, c: int, max_tokens: int, seed: int, sampling: Sampling
+    sides: Sides, c: int, max_tokens: int, seed: int, sampling: Sampling, repeats: int = 0
 ) -> dict[str, list[Measurement]]:
     out: dict[str, list[Measurement]] = {s: [] for s in SIDES}
-    for rep in range(REPEATS_AT.get(c, 1)):
+    for rep in range(repeats or REPEATS_AT.get(c, 1)):
         # Fresh prompts per repeat (no side can reuse a cached prompt), the same for every side.
         n_tokens = sides.load.prompt_tokens
         prompts = distinct_prompts(sides.tokenizer, c, n_tokens, seed=seed + 100 * rep)
@@ -455,6 +455,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--load", choices=("completions", "chat"), default="completions")
     p.add_argument("--no-stream", action="store_true", help="whole responses, not SSE streams")
+    p.add_argument(
+        "--repeats", type=int, default=0, help="repeats at every level (default: 3 at 16, else 1)"
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.concurrency, args.max_tokens = "1,4", 32
@@ -500,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
                         args.max_tokens,
                         seed=10_000 * (i + 1) + 1_000_000 * m,
                         sampling=sampling,
+                        repeats=args.repeats,
                     ),
                 )
                 for i, c in enumerate(args.levels)
