@@ -124,8 +124,9 @@ class WorkerLoop:
             admitted = self._take_jobs(out, writes)
         self._send(out, writes)
         if admitted:
-            # New requests' first events go out before the next step starts: the step's Python
-            # would hold the GIL the publisher thread needs.
+            # New requests' first events land before the next step starts: a publish on the
+            # publisher thread (one with a busy change, say) would wait for the GIL the step's
+            # Python holds.
             self.outbox.settle()
 
     # -- intake ----------------------------------------------------------------------------
