@@ -162,11 +162,12 @@ class Engine:
             f"cpu_ops={','.join(self.cpu_ops) or 'mlx'}"
         )
 
-    def run(self, prompts: list[list[int]], max_tokens: int, sampling: Sampling) -> Measurement:
+    def generator(self, max_tokens: int) -> Any:
+        """A BatchGenerator configured as the worker's engine makes its own."""
         from mlx_lm.generate import BatchGenerator
 
         c = self.cfg
-        gen = BatchGenerator(
+        return BatchGenerator(
             self.model,
             max_tokens=max_tokens,
             stop_tokens=[[t] for t in self.eos],
@@ -174,6 +175,9 @@ class Engine:
             prefill_batch_size=min(c.prefill_batch_size, c.batch_size),
             prefill_step_size=c.prefill_step_size,
         )
+
+    def run(self, prompts: list[list[int]], max_tokens: int, sampling: Sampling) -> Measurement:
+        gen = self.generator(max_tokens)
         try:
             return self._drive(gen, prompts, max_tokens, sampling)
         finally:

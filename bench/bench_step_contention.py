@@ -93,17 +93,7 @@ def _run(
     engine: Engine, prompts: list[list[int]], max_tokens: int, between: Callable[[], None]
 ) -> float:
     """ms a decode step: each sequence's first token to its last, over its tokens, median."""
-    from mlx_lm.generate import BatchGenerator
-
-    c = engine.cfg
-    gen = BatchGenerator(
-        engine.model,
-        max_tokens=max_tokens,
-        stop_tokens=[[t] for t in engine.eos],
-        completion_batch_size=c.batch_size,
-        prefill_batch_size=min(c.prefill_batch_size, c.batch_size),
-        prefill_step_size=c.prefill_step_size,
-    )
+    gen = engine.generator(max_tokens)
     try:
         gen.insert(prompts, max_tokens=[max_tokens] * len(prompts))
         first: dict[int, float] = {}
