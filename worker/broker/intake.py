@@ -223,7 +223,9 @@ class RqIntake:
         ends, so they prefill as one batch with what was just admitted. A burst is on its way
         only while a router has placed on this worker a request it does not hold yet (`held`:
         the ids it runs); otherwise what is queued now is taken and nothing is waited for: a
-        lone request (a single user's) starts at once."""
+        lone request (a single user's) starts at once. A request's other choices are not in
+        the placements: one that comes a step late starts from its group-mate's computed prompt
+        (worker/engine/shared_prompt.py), as any late group-mate does."""
         if max_jobs <= 0 or window_s <= 0:
             return []
         if not self._placed_not_held(held):

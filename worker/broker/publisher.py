@@ -60,6 +60,19 @@ class StepWrites:
     index: dict[bytes, bool] = field(default_factory=dict)  # block index changes
     index_full: list[bytes] | None = None  # every block held: the index was found lost
 
+    def beyond_script(self, busy_was: bool) -> bool:
+        """Whether the step sends anything the step script does not carry (streams, ongoing,
+        counters and watched are the script's; `busy` only when it changed). A field added
+        above that `publish`'s pipeline writes belongs here too, or a steady step drops it."""
+        return bool(
+            self.index
+            or self.index_full is not None
+            or self.liveness is not None
+            or self.ended
+            or self.last_reject is not None
+            or self.busy != busy_was
+        )
+
 
 @dataclass
 class PublishResult:
@@ -136,14 +149,7 @@ class Publisher:
         """A steady step (the script alone: nothing for the block index, no job end, no last
         reject, no beat, rq's busy state unchanged) written to Redis now, its reply read by the
         result's `result()`; None for any other step, which `publish` sends whole."""
-        if (
-            writes.index
-            or writes.index_full is not None
-            or writes.liveness is not None
-            or writes.ended
-            or writes.last_reject is not None
-            or writes.busy != self.presence.busy
-        ):
+        if writes.beyond_script(self.presence.busy):
             return None
         command = self._step_command(writes)
         pool = self.r.connection_pool
