@@ -156,11 +156,10 @@ class Publisher:
         conn = pool.get_connection()
         try:
             conn.send_command(*command)
-        except redis.ConnectionError:
-            # Nothing reached Redis: the client's own call, with its retries on a new connection.
-            _drop(pool, conn)
-            return SentStep(self, command, writes.watched, None, self._call(command))
         except BaseException:
+            # Not retried here: a connection lost on the loop's own thread is how the loop
+            # learns that Redis restarted or failed over (shared/redis_clients.py), and a
+            # silent retry on a new primary would hide it. The loop reconnects instead.
             _drop(pool, conn)
             raise
         return SentStep(self, command, writes.watched, conn)
@@ -209,12 +208,6 @@ class Publisher:
             raise reply
         return reply
 
-    def _call(self, command: list[Any]) -> Any:
-        try:
-            return self.r.execute_command(*command)
-        except redis.exceptions.NoScriptError as exc:
-            return exc
-
     def _step_command(self, writes: StepWrites) -> list[Any]:
         """The step script's call: EVALSHA, except with job ends, where EVAL (the script's
         body) never meets a lost script cache, so a job's last events always precede its end."""
@@ -253,7 +246,7 @@ class Publisher:
 @dataclass
 class SentStep:
     """A steady step's script, written on a connection taken from the client's pool and held
-    until its reply is read (`conn`), or already run through the client (`reply`)."""
+    until its reply is read (`conn`; None once `reply` is read or the step is dropped)."""
 
     publisher: Publisher
     command: list[Any]
@@ -271,12 +264,11 @@ class SentStep:
             except redis.exceptions.NoScriptError as exc:
                 pool.release(conn)
                 self.reply = exc
-            except redis.ConnectionError:
-                # As the client's own retry does: the call again, on a new connection.
-                _drop(pool, conn)
-                self.reply = self.publisher._call(self.command)
             except BaseException:
-                _drop(pool, conn)  # a timeout leaves a reply unread on it: never reused
+                # A lost connection is the loop's to act on, never retried here (see `send`:
+                # the script may have run, and a new primary may lack it); a timeout leaves a
+                # reply unread on the connection, which is never reused.
+                _drop(pool, conn)
                 raise
             else:
                 pool.release(conn)
