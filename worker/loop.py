@@ -355,6 +355,7 @@ class WorkerLoop:
             # It runs nothing now: a job rq still shows as its own ended on a primary that was
             # lost before its replica heard (a failover), or on a restart from a snapshot.
             self._fail_leftovers()
+            self._give_back_taken()
             log.warning(
                 "worker %s reconnected to Redis: %s, and %s: dropped %d request(s) the pool had "
                 "failed or Redis lost, failed %d it could no longer finish; registered again",
@@ -396,6 +397,15 @@ class WorkerLoop:
             )
         except redis.RedisError:
             log.warning("could not fail the jobs whose end Redis lost", exc_info=True)
+
+    def _give_back_taken(self) -> None:
+        try:
+            back = self.intake.give_back()
+        except redis.RedisError:
+            log.warning("could not return the jobs a lost take left unstarted", exc_info=True)
+            return
+        if back:
+            log.warning("returned %d job(s) a lost take left unstarted to their queues", back)
 
     def shutdown(self) -> None:
         try:

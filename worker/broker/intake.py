@@ -44,6 +44,20 @@ FAILURE_TTL_S = keys.JOB_FAILURE_TTL_S
 # ends the burst.
 GATHER_GAP_S = 0.008
 
+# A job taken off its queue whose start never landed goes back to the front of that queue, in
+# one step, only while Redis still shows it queued and on no queue: a job the start did reach,
+# one the lost primary's take never reached (still on its queue), or one already given back
+# stays as it is. rq's dequeue of one queue moves the job to the queue's intermediate list, of
+# several pops it outright: either way it leaves that list here.
+# KEYS: the queue, its intermediate list, the job's hash. ARGV: the job id, rq's queued status.
+GIVE_BACK_LUA = """
+redis.call('LREM', KEYS[2], 0, ARGV[1])
+if redis.call('HGET', KEYS[3], 'status') ~= ARGV[2] then return 0 end
+if redis.call('LPOS', KEYS[1], ARGV[1]) then return 0 end
+redis.call('LPUSH', KEYS[1], ARGV[1])
+return 1
+"""
+
 
 @dataclass(eq=False)
 class TakenJob:
@@ -148,6 +162,12 @@ class RqIntake:
         self.presence = presence
         self.connection = presence.connection
         self.queues: list[Queue] = list(presence.queues)
+        # Jobs dequeued whose start pipeline has not been applied: a Redis error between the
+        # two (a failover mid-take) would leave them in no one's hands, queued in rq's eyes but
+        # on no queue, so the router would wait on them until its timeout. give_back() returns
+        # them.
+        self._in_hand: dict[str, tuple[Job, Queue]] = {}
+        self._give_back = self.connection.register_script(GIVE_BACK_LUA)
 
     @property
     def name(self) -> str:
@@ -249,13 +269,16 @@ class RqIntake:
         """The next job, or None. A job rq itself cannot load (a hand-made hash: a bad date, an
         unknown status) is failed here and counts as nothing taken; only Redis errors raise."""
         try:
-            return Queue.dequeue_any(
+            got = Queue.dequeue_any(
                 queues or self.queues,
                 timeout,
                 connection=self.connection,
                 job_class=PoolJob,
                 serializer=MsgpackSerializer,
             )
+            if got is not None:
+                self._in_hand[got[0].id] = got
+            return got
         except DequeueTimeout:
             return None
         except redis.RedisError:
@@ -295,7 +318,24 @@ class RqIntake:
                     continue
                 out.append(self._parse(job, execution))
             pipe.execute()
+        for job, _ in taken:
+            self._in_hand.pop(job.id, None)
         return out
+
+    def give_back(self) -> int:
+        """Return the jobs taken off their queues whose start never landed (a Redis error cut
+        the take short) to the front of those queues, where this worker or a peer takes them
+        again; returns how many went back. A job whose start did land is this worker's in rq's
+        registry and is failed with the other leftovers (worker.loop); one still on its queue
+        (the primary that saw the take was lost) is taken again as it is."""
+        back = 0
+        queued = JobStatus.QUEUED.value
+        for job_id, (job, queue) in list(self._in_hand.items()):
+            back += self._give_back(
+                keys=[queue.key, queue.intermediate_queue_key, job.key], args=[job_id, queued]
+            )
+            del self._in_hand[job_id]
+        return back
 
     @staticmethod
     def _parse(job: Job, execution: Execution) -> TakenJob:
