@@ -4,6 +4,7 @@ EVALSHA do what the per-stream scripts, HINCRBYs, EXISTS, MGET, LPOP and LLENs d
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import pytest
@@ -152,3 +153,39 @@ def test_a_lost_script_cache_runs_the_step_once(rig: Any, redis_server: Any) -> 
     assert r.script_exists(STEP_SHA) == [True]  # the next step's EVALSHA finds it
     publisher.publish(StepWrites(streams=[(job, _events(2, 1))], ongoing={job.id}))
     assert _stream(r, job.id) == [0, 1, 2]
+
+
+def test_a_steady_step_is_written_at_send_and_its_reply_read_later(rig: Any) -> None:
+    r, publisher, intake = rig
+    job, cancelled = _take(r, intake, 2)
+    r.set(keys.request_cancel(cancelled.id), "1", ex=60)
+    busy = publisher.presence.busy
+    # Anything besides the script (a beat, a busy change, a job end) goes through publish whole.
+    beat = Liveness(gauges={}, running=[job])
+    assert publisher.send(StepWrites(liveness=beat, busy=busy)) is None
+    assert publisher.send(StepWrites(busy=not busy)) is None
+
+    sent = publisher.send(
+        StepWrites(streams=[(job, _events(0, 2))], busy=busy, watched=[job.id, cancelled.id])
+    )
+    assert sent is not None
+    # Redis has applied it before the caller reads anything back.
+    deadline = time.monotonic() + 5
+    while not r.exists(keys.request_stream(job.id)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _stream(r, job.id) == [0, 1]
+    res = sent.result()
+    assert res.cancelled == [cancelled.id] and not res.reaped
+
+
+def test_a_dropped_step_leaves_no_reply_for_the_next_command(rig: Any) -> None:
+    r, publisher, intake = rig
+    (job,) = _take(r, intake, 1)
+    busy = publisher.presence.busy
+    sent = publisher.send(StepWrites(streams=[(job, _events(0, 1))], busy=busy))
+    assert sent is not None
+    sent.drop()  # as the loop does when it reconnects
+    r.set(keys.request_cancel(job.id), "1", ex=60)
+    res = publisher.publish(StepWrites(busy=busy, watched=[job.id]))
+    assert res.cancelled == [job.id]
+    assert publisher.r.get(keys.request_cancel(job.id)) == b"1"

@@ -124,8 +124,9 @@ class WorkerLoop:
             admitted = self._take_jobs(out, writes)
         self._send(out, writes)
         if admitted:
-            # New requests' first events go out before the next step starts: the step's Python
-            # would hold the GIL the publisher thread needs.
+            # New requests' first events land before the next step starts: a publish on the
+            # publisher thread (one with a busy change, say) would wait for the GIL the step's
+            # Python holds.
             self.outbox.settle()
 
     # -- intake ----------------------------------------------------------------------------
@@ -148,7 +149,8 @@ class WorkerLoop:
         # prefill ahead gathers the rest of the burst, so they prefill as one batch. A warm
         # request that already started gains nothing from waiting, so it never does.
         if idle and out.prefill_pending and self.admission_window_s > 0:
-            more = self.intake.gather(self.engine.free_slots, self.admission_window_s)
+            held = {req.id for req in self.engine.running}
+            more = self.intake.gather(self.engine.free_slots, self.admission_window_s, held)
             self._admit(more, out, writes)
             taken += more
         return bool(taken)

@@ -238,13 +238,26 @@ class RqIntake:
             taken.append(got)
         return self._start(taken) if taken else []
 
-    def gather(self, max_jobs: int, window_s: float) -> list[TakenJob]:
+    def gather(self, max_jobs: int, window_s: float, held: set[str]) -> list[TakenJob]:
         """Take the jobs of a burst still arriving, until it pauses (GATHER_GAP_S) or the window
-        ends, so they prefill as one batch with what was just admitted."""
+        ends, so they prefill as one batch with what was just admitted. A burst is on its way
+        only while a router has placed on this worker a request it does not hold yet (`held`:
+        the ids it runs); otherwise what is queued now is taken and nothing is waited for: a
+        lone request (a single user's) starts at once. A request's other choices are not in
+        the placements: one that comes a step late starts from its group-mate's computed prompt
+        (worker/engine/shared_prompt.py), as any late group-mate does."""
         if max_jobs <= 0 or window_s <= 0:
             return []
+        if not self._placed_not_held(held):
+            window_s = 0.0
         taken = self._take_more([], max_jobs, window_s)
         return self._start(taken) if taken else []
+
+    def _placed_not_held(self, held: set[str]) -> bool:
+        """Whether the routers' placements name a request for this worker that it has not
+        taken: the prefill hash holds each placed request until a router sees it start."""
+        placed = self.connection.hkeys(keys.worker_prefill(self.presence.worker_id))
+        return any(rid.decode() not in held for rid in placed)
 
     def _take_more(
         self, taken: list[tuple[Job, Queue]], max_jobs: int, window_s: float

@@ -222,6 +222,11 @@ class WorkerPresence(RqWorkerRecord):
             )
         self._write_liveness(pipe, gauges)
 
+    @property
+    def busy(self) -> bool:
+        """rq's busy state as this worker last wrote it."""
+        return self._busy
+
     def set_busy(self, busy: bool, pipe: Any) -> None:
         """rq's busy/idle state, written only when it changes."""
         if busy != self._busy:

@@ -14,6 +14,11 @@ What a steady decode step sends (the appends, the counters that moved, the reads
 `STEP_LUA`, as one EVALSHA: redis-py packs and parses one command per step instead of one per
 stream, counter and read, CPU the worker's own threads need. The rarer parts (block index, job
 ends, the last reject, busy changes, the beat) stay ordinary commands around it.
+
+A steady step is also sent without a thread (`send`): the loop's thread writes the script and
+reads its reply after the model's next step (`SentStep.result`), when it has long arrived. No
+thread is woken to send it and none waits for the reply: on a machine whose cores the model's
+threads fill, each wake-up takes a core from a step (bench/README.md, "One stream").
 """
 
 from __future__ import annotations
@@ -54,6 +59,19 @@ class StepWrites:
     watched: list[str] = field(default_factory=list)  # running request ids: read cancel flags
     index: dict[bytes, bool] = field(default_factory=dict)  # block index changes
     index_full: list[bytes] | None = None  # every block held: the index was found lost
+
+    def beyond_script(self, busy_was: bool) -> bool:
+        """Whether the step sends anything the step script does not carry (streams, ongoing,
+        counters and watched are the script's; `busy` only when it changed). A field added
+        above that `publish`'s pipeline writes belongs here too, or a steady step drops it."""
+        return bool(
+            self.index
+            or self.index_full is not None
+            or self.liveness is not None
+            or self.ended
+            or self.last_reject is not None
+            or self.busy != busy_was
+        )
 
 
 @dataclass
@@ -127,8 +145,30 @@ class Publisher:
         self._k_control = keys.worker_control(presence.worker_id)
         self._k_reaped = keys.worker_reaped(presence.worker_id)
 
+    def send(self, writes: StepWrites) -> SentStep | None:
+        """A steady step (the script alone: nothing for the block index, no job end, no last
+        reject, no beat, rq's busy state unchanged) written to Redis now, its reply read by the
+        result's `result()`; None for any other step, which `publish` sends whole."""
+        if writes.beyond_script(self.presence.busy):
+            return None
+        command = self._step_command(writes)
+        pool = self.r.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_command(*command)
+        except BaseException:
+            # Not retried here: a connection lost on the loop's own thread is how the loop
+            # learns that Redis restarted or failed over (shared/redis_clients.py), and a
+            # silent retry on a new primary would hide it. The loop reconnects instead.
+            _drop(pool, conn)
+            raise
+        return SentStep(self, command, writes.watched, conn)
+
     def publish(self, writes: StepWrites) -> PublishResult:
-        """Send one step's writes and reads in a single pipeline."""
+        """Send one step's writes and reads in a single pipeline, and read what it read."""
+        sent = self.send(writes)
+        if sent is not None:
+            return sent.result()
         blocks = keys.worker_blocks(self.presence.worker_id, self.presence.epoch)
         check_index = (
             bool(writes.index) or writes.index_full is not None or (writes.liveness is not None)
@@ -150,30 +190,23 @@ class Publisher:
             self.presence.set_busy(writes.busy, pipe)
             if writes.liveness is not None:
                 self.presence.beat(pipe, writes.liveness.gauges, writes.liveness.running)
-            if len(pipe) == 1:  # a steady step: the script alone, without the pipeline's machinery
-                pipe.reset()
-                replies = [self._call(step_command)]
-            else:
-                replies = pipe.execute(raise_on_error=False)
-        step = replies[at]
-        if isinstance(step, redis.exceptions.NoScriptError):
-            # Redis lost its script cache (SCRIPT FLUSH, a restart the connection came back from):
-            # the script did not run at all, so running it once more applies it once.
-            step = self.r.execute_command("EVAL", STEP_LUA, *step_command[2:])
+            replies = pipe.execute(raise_on_error=False)
         for reply in replies:
             if isinstance(reply, Exception) and reply is not replies[at]:
                 raise reply
-        if isinstance(step, Exception):
-            raise step
-        res = _parse_step(step, writes.watched)
+        res = _parse_step(self._step_reply(replies[at], step_command), writes.watched)
         res.index_lost = check_index and not replies[0]
         return res
 
-    def _call(self, command: list[Any]) -> Any:
-        try:
-            return self.r.execute_command(*command)
-        except redis.exceptions.NoScriptError as exc:
-            return exc
+    def _step_reply(self, reply: Any, command: list[Any]) -> Any:
+        """The step script's reply; raised if it is an error."""
+        if isinstance(reply, redis.exceptions.NoScriptError):
+            # Redis lost its script cache (SCRIPT FLUSH, a restart the connection came back from):
+            # the script did not run at all, so running it once more applies it once.
+            reply = self.r.execute_command("EVAL", STEP_LUA, *command[2:])
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
 
     def _step_command(self, writes: StepWrites) -> list[Any]:
         """The step script's call: EVALSHA, except with job ends, where EVAL (the script's
@@ -208,6 +241,49 @@ class Publisher:
             pipe.rpush(reply_key, payload)
             pipe.expire(reply_key, keys.CONTROL_TTL_S)
             pipe.execute()
+
+
+@dataclass
+class SentStep:
+    """A steady step's script, written on a connection taken from the client's pool and held
+    until its reply is read (`conn`; None once `reply` is read or the step is dropped)."""
+
+    publisher: Publisher
+    command: list[Any]
+    watched: list[str]
+    conn: Any | None
+    reply: Any = None
+
+    def result(self) -> PublishResult:
+        """Read the script's reply (once), as `publish` would have returned it."""
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            pool = self.publisher.r.connection_pool
+            try:
+                self.reply = conn.read_response()
+            except redis.exceptions.NoScriptError as exc:
+                pool.release(conn)
+                self.reply = exc
+            except BaseException:
+                # A lost connection is the loop's to act on, never retried here (see `send`:
+                # the script may have run, and a new primary may lack it); a timeout leaves a
+                # reply unread on the connection, which is never reused.
+                _drop(pool, conn)
+                raise
+            else:
+                pool.release(conn)
+        return _parse_step(self.publisher._step_reply(self.reply, self.command), self.watched)
+
+    def drop(self) -> None:
+        """Forget it unread: its connection is closed, so no later command reads its reply."""
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            _drop(self.publisher.r.connection_pool, conn)
+
+
+def _drop(pool: Any, conn: Any) -> None:
+    conn.disconnect()
+    pool.release(conn)
 
 
 # Members per SADD when a whole block set is written (keeps each command's reply small).

@@ -1,0 +1,69 @@
+"""An idle worker's gathering of a burst, on a real Redis: it waits for more jobs only while a
+router has placed on it a request it does not hold yet (the placements' prefill hash), so a
+lone request starts at once and a burst already placed prefills as one batch."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import pytest
+import redis
+
+from shared import keys
+from tests.streams import TINY_MODEL, enqueue
+from worker.broker import intake as intake_module
+from worker.broker.intake import RqIntake, own_queues
+from worker.broker.presence import WorkerPresence
+
+WID = "w-gather"
+# Long enough that a gather which waits is plain to see, short enough for a failing run.
+GAP_S = 30.0
+
+
+@pytest.fixture
+def rig(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> tuple[redis.Redis, RqIntake]:
+    monkeypatch.setattr(intake_module, "GATHER_GAP_S", GAP_S)
+    r = redis.Redis.from_url(redis_url)
+    info = {"worker_id": WID, "model": TINY_MODEL, "pid": str(os.getpid()), "host": "h"}
+    presence = WorkerPresence(r, WID, own_queues(r, WID, TINY_MODEL), info)
+    presence.arrive({})
+    return r, RqIntake(presence)
+
+
+def _own() -> str:
+    return keys.worker_queue_name(WID)
+
+
+def test_nothing_placed_but_what_it_holds_means_no_wait(rig: Any) -> None:
+    r, intake = rig
+    first = enqueue(r, [1, 2, 3], queue=_own())
+    (taken,) = intake.take(4, None)
+    assert taken.id == first
+    r.hset(keys.worker_prefill(WID), first, 3)  # its own placement, not started yet
+    queued = enqueue(r, [4, 5, 6], queue=_own())  # already queued: taken without waiting
+    started = time.monotonic()
+    more = intake.gather(4, window_s=2 * GAP_S, held={first})
+    assert [j.id for j in more] == [queued]
+    assert time.monotonic() - started < GAP_S / 2  # it did not wait for a pause in arrivals
+
+
+def test_a_placed_request_not_taken_yet_is_waited_for(rig: Any) -> None:
+    r, intake = rig
+    first = enqueue(r, [1, 2, 3], queue=_own())
+    (taken,) = intake.take(4, None)
+    coming = "c0ffee"  # placed by a router that has not enqueued it yet
+    r.hset(keys.worker_prefill(WID), mapping={first: 3, coming: 3})
+    late: list[str] = []
+
+    def enqueue_later() -> None:
+        time.sleep(0.3)
+        late.append(enqueue(r, [7, 8, 9], queue=_own()))
+
+    thread = threading.Thread(target=enqueue_later)
+    thread.start()
+    more = intake.gather(1, window_s=2 * GAP_S, held={taken.id})
+    thread.join()
+    assert [j.id for j in more] == late  # it waited, and took the job that came
