@@ -310,11 +310,13 @@ if #members > 0 and policy == 'cache_aware' then
   -- A snapshot worker will hold only the blocks where this prompt's prefill keeps checkpoints
   -- (worker/prompt_cache/checkpoints.py): each `every`-th, and the last before its last token.
   local scored, last = {}, math.floor((prompt - 1) / block_size)
+  -- The score as text once: a number would be formatted again for every mark it is passed with.
+  local score_text = string.format('%d', routed_score)
   for i, m in ipairs(members) do
     local kept = not chosen.snapshot
       or (chosen.every > 0 and i * block_size >= min_match and (i % chosen.every == 0 or i == last))
     if kept then
-      scored[#scored + 1] = routed_score
+      scored[#scored + 1] = score_text
       scored[#scored + 1] = m
     end
   end
