@@ -12,6 +12,8 @@ Sides, all on the same model and the same prompts (distinct ~64-token prompts, t
 Sides run back to back at each concurrency level (order rotated per repeat); the concurrency-16
 level is repeated 3 times per side and the median reported. tok/s counts the tokens actually
 generated (usage.completion_tokens) over the wall time from the first send to the last token.
+ITL, each side's time a token after a sequence's first (streamed loads), is the per-token time
+side by side: the engine's from its own steps, the pool's and the server's from the chunks.
 
 `--load chat` sends chat completions of short user messages (~16 tokens, the chat template
 around them; the engine gets the same template's tokens) instead of ~64-token completions;
@@ -38,7 +40,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +130,9 @@ class Measurement:
     ttfts: list[float]
     cached_tokens: int = 0
     retries: int = 0
+    # Each sequence's time a token after its first: (last token - first) / (tokens - 1), for
+    # those of 2 tokens or more whose tokens came apart (none for whole responses).
+    itls: list[float] = field(default_factory=list)
 
     @property
     def tps(self) -> float:
@@ -205,6 +210,8 @@ class Engine:
         start = time.perf_counter()
         gen.insert(prompts, max_tokens=[max_tokens] * len(prompts), **per_sequence)
         first: dict[int, float] = {}
+        last: dict[int, float] = {}
+        counted: dict[int, int] = {}
         done: set[int] = set()
         tokens = 0
         while len(done) < len(prompts):
@@ -215,11 +222,18 @@ class Engine:
                 # An EOS that ends a sequence is not a completion token (as in the pool).
                 if not (r.finish_reason == "stop" and r.token in self.eos):
                     tokens += 1
+                    counted[r.uid] = counted.get(r.uid, 0) + 1
+                    last[r.uid] = now
                 if r.finish_reason is not None:
                     done.add(r.uid)
         wall = time.perf_counter() - start
+        itls = [
+            (last[uid] - first[uid]) / (n - 1)
+            for uid, n in counted.items()
+            if n > 1 and last[uid] > first[uid]
+        ]
         return Measurement(
-            "engine", len(prompts), tokens, wall, [t - start for t in first.values()]
+            "engine", len(prompts), tokens, wall, [t - start for t in first.values()], itls=itls
         )
 
 
@@ -297,6 +311,7 @@ def http_measure(
         [r.ttft for r in results],
         sum(r.cached_tokens or 0 for r in results),
         sum(r.retries for r in results),
+        [1 / tps for r in results if (tps := r.decode_tps())],
     )
 
 
@@ -361,6 +376,8 @@ def summarize(c: int, runs: dict[str, list[Measurement]]) -> dict[str, Any]:
         ttfts = [t for m in ms for t in m.ttfts]
         row[f"{side}_ttft_mean_ms"] = mean(ttfts) * 1000
         row[f"{side}_ttft_p50_ms"] = median(ttfts) * 1000
+        itls = [t for m in ms for t in m.itls]
+        row[f"{side}_itl_ms"] = mean(itls) * 1000 if itls else None
         row[f"{side}_tokens"] = [m.tokens for m in ms]
         row[f"{side}_cached_tokens"] = sum(m.cached_tokens for m in ms)
         row[f"{side}_retries"] = sum(m.retries for m in ms)
@@ -368,6 +385,10 @@ def summarize(c: int, runs: dict[str, list[Measurement]]) -> dict[str, Any]:
     row["server_over_engine"] = ratio(row["server_tps"], row["engine_tps"])
     row["pool_over_server"] = ratio(row["pool_tps"], row["server_tps"])
     return row
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def goal_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -389,6 +410,7 @@ def print_report(
         "TTFT ms engine mean/p50",
         "pool mean/p50",
         "server mean/p50",
+        "ITL ms engine · pool · server",
     ]
     body = [
         [
@@ -401,6 +423,7 @@ def print_report(
             r["server_over_engine"],
             r["pool_over_server"],
             *(f"{r[f'{s}_ttft_mean_ms']:.0f}/{r[f'{s}_ttft_p50_ms']:.0f}" for s in SIDES),
+            " · ".join(_ms(r[f"{s}_itl_ms"]) for s in SIDES),
         ]
         for r in rows
     ]
@@ -408,7 +431,8 @@ def print_report(
     print(table(headers, body))
     print(
         f"(tok/s: median over repeats; max_tokens={max_tokens}, prompts ~{load.prompt_tokens} "
-        "tokens, distinct per request and per repeat)"
+        "tokens, distinct per request and per repeat; ITL: a sequence's time a token after its "
+        "first, mean over every sequence of every repeat, '-' for whole responses)"
     )
     cached = {s: sum(r[f"{s}_cached_tokens"] for r in rows) for s in ("pool", "server")}
     print(
