@@ -1,6 +1,7 @@
 """A take that Redis cuts short (a failover between taking a job off its queue and marking it
 started) leaves no job in limbo: on a real Redis, the worker gives back what it took and did
-not start, to the front of its queue, once and only while Redis shows it queued and on no queue."""
+not start, to the front of its queue, once and only while Redis shows it queued and on no queue;
+and so a running job whose start the new primary lacks."""
 
 from __future__ import annotations
 
@@ -81,3 +82,20 @@ def test_a_started_job_or_one_still_queued_is_not_given_back(rig: Any) -> None:
     r.lpush(own.key, again)
     assert intake.give_back() == 0
     assert r.lrange(own.key, 0, -1) == [again.encode()]
+
+
+def test_a_running_job_whose_start_redis_lost_goes_back_to_its_queue(rig: Any) -> None:
+    """A replica that heard a take (popped outright: the worker dequeues from two queues) but
+    not the start after it: the job is `queued` on no queue. The worker that dropped it with
+    the lost connection gives it back, once."""
+    r, intake = rig
+    own = _own(intake)
+    first = enqueue(r, [1, 2, 3], queue=own.name)
+    (taken,) = intake.take(4, None)
+    assert taken.id == first and r.lrange(own.key, 0, -1) == []
+    r.hset(taken.job.key, "status", JobStatus.QUEUED.value)  # the start the new primary lacks
+    assert intake.reclaim_unstarted([taken]) == [False]  # not failed: given back
+    assert r.lrange(own.key, 0, -1) == [first.encode()]
+    assert intake.reclaim_unstarted([taken]) == [False]
+    assert r.lrange(own.key, 0, -1) == [first.encode()]  # once
+    assert [t.id for t in intake.take(4, None)] == [first]

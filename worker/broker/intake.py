@@ -197,7 +197,10 @@ class RqIntake:
         """For each job this worker took, whether Redis shows it taken but never started (still
         `queued`, in its queue's intermediate list: the start pipeline was lost to a failover or
         a restart from a snapshot). Each such job leaves the intermediate list here, so nobody
-        holds it but this worker, which must fail it: no router would hear of it again."""
+        holds it but this worker, which must fail it: no router would hear of it again. One that
+        is `queued` in no list (rq pops outright from several queues, as a worker's own and its
+        model's) goes back to the front of its queue instead, as a take cut short does
+        (give_back): it runs again, and its router relays what it had not relayed yet."""
         queued = JobStatus.QUEUED.value.encode()
         statuses = self._statuses(taken)
         waiting = [job for job, status in zip(taken, statuses, strict=True) if status == queued]
@@ -208,6 +211,16 @@ class RqIntake:
                 origin = Queue.redis_queue_namespace_prefix + job.job.origin
                 pipe.lrem(IntermediateQueue.get_intermediate_queue_key(origin), 0, job.id)
             removed = dict(zip((job.id for job in waiting), pipe.execute(), strict=True))
+        back = 0
+        for job in waiting:
+            if not removed[job.id]:
+                origin = Queue.redis_queue_namespace_prefix + job.job.origin
+                aside = IntermediateQueue.get_intermediate_queue_key(origin)
+                back += self._give_back(
+                    keys=[origin, aside, job.job.key], args=[job.id, JobStatus.QUEUED.value]
+                )
+        if back:
+            log.warning("gave back %d job(s) whose start Redis lost to their queues", back)
         return [bool(removed.get(job.id)) for job in taken]
 
     def clean_registries(self) -> None:
