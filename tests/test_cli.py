@@ -191,6 +191,8 @@ def test_up_serves_a_completion_and_stops_cleanly(
         PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "prom"),  # not shared with other pools
     )
     dash_port = free_port()
+    while dash_port == port:  # each port is free when asked for: two asks can get the same one
+        dash_port = free_port()
     argv = [
         sys.executable,
         "-m",
