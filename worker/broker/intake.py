@@ -149,6 +149,13 @@ def append_events(
         )
 
 
+def _queue_keys(job: Job) -> tuple[str, str]:
+    """The job's queue's key and that queue's intermediate list (rq's dequeue of one queue moves
+    a job there), from the queue it was enqueued on."""
+    origin = Queue.redis_queue_namespace_prefix + job.origin
+    return origin, IntermediateQueue.get_intermediate_queue_key(origin)
+
+
 def own_queues(connection: redis.Redis, worker_id: str, model_id: str) -> list[Queue]:
     """The worker's own queue first (routing places work there), then its model's shared one."""
     return [
@@ -166,7 +173,7 @@ class RqIntake:
         # two (a failover mid-take) would leave them in no one's hands, queued in rq's eyes but
         # on no queue, so the router would wait on them until its timeout. give_back() returns
         # them.
-        self._in_hand: dict[str, tuple[Job, Queue]] = {}
+        self._in_hand: dict[str, Job] = {}
         self._give_back = self.connection.register_script(GIVE_BACK_LUA)
 
     @property
@@ -208,17 +215,9 @@ class RqIntake:
             return [False] * len(taken)
         with self.connection.pipeline(transaction=False) as pipe:
             for job in waiting:
-                origin = Queue.redis_queue_namespace_prefix + job.job.origin
-                pipe.lrem(IntermediateQueue.get_intermediate_queue_key(origin), 0, job.id)
+                pipe.lrem(_queue_keys(job.job)[1], 0, job.id)
             removed = dict(zip((job.id for job in waiting), pipe.execute(), strict=True))
-        back = 0
-        for job in waiting:
-            if not removed[job.id]:
-                origin = Queue.redis_queue_namespace_prefix + job.job.origin
-                aside = IntermediateQueue.get_intermediate_queue_key(origin)
-                back += self._give_back(
-                    keys=[origin, aside, job.job.key], args=[job.id, JobStatus.QUEUED.value]
-                )
+        back = sum(self._return(job.job) for job in waiting if not removed[job.id])
         if back:
             log.warning("gave back %d job(s) whose start Redis lost to their queues", back)
         return [bool(removed.get(job.id)) for job in taken]
@@ -303,7 +302,7 @@ class RqIntake:
                 serializer=MsgpackSerializer,
             )
             if got is not None:
-                self._in_hand[got[0].id] = got
+                self._in_hand[got[0].id] = got[0]
             return got
         except DequeueTimeout:
             return None
@@ -355,13 +354,17 @@ class RqIntake:
         registry and is failed with the other leftovers (worker.loop); one still on its queue
         (the primary that saw the take was lost) is taken again as it is."""
         back = 0
-        queued = JobStatus.QUEUED.value
-        for job_id, (job, queue) in list(self._in_hand.items()):
-            back += self._give_back(
-                keys=[queue.key, queue.intermediate_queue_key, job.key], args=[job_id, queued]
-            )
+        for job_id, job in list(self._in_hand.items()):
+            back += self._return(job)
             del self._in_hand[job_id]
         return back
+
+    def _return(self, job: Job) -> int:
+        """GIVE_BACK_LUA for one job: 1 if it went back to the front of its queue."""
+        queue_key, aside = _queue_keys(job)
+        return int(
+            self._give_back(keys=[queue_key, aside, job.key], args=[job.id, JobStatus.QUEUED.value])
+        )
 
     @staticmethod
     def _parse(job: Job, execution: Execution) -> TakenJob:
