@@ -9,6 +9,7 @@ choose the queue and worker names. Everything else lives under one prefix, `mlxc
 | `mlxcel:req:<req_id>:cancel` | string | router writes, worker reads | REQUEST_TTL_S |
 | `mlxcel:workers` | set | worker adds itself | none (the pool's roster: totals outlive workers) |
 | `mlxcel:worker:<wid>:info` | hash | worker: identity, settings, gauges | LIVENESS_TTL_S |
+| `mlxcel:worker:<wid>:alive` | string | worker: its epoch while it counts as alive | DEAD_AFTER_S |
 | `mlxcel:worker:<wid>:cache:counters` | hash | worker: counters, last reject | none |
 
 The info hash's TTL is the worker's liveness; the counters never expire, so counts never go
@@ -123,6 +124,13 @@ def worker_info(worker_id: str) -> str:
     return f"{PREFIX}:worker:{worker_id}:info"
 
 
+def worker_alive(worker_id: str) -> str:
+    """The worker's epoch, written with every refresh of its info hash's TTL and living as long
+    as the worker counts as alive (shared.liveness.alive_ttl_ms): placement reads every
+    worker's liveness and epoch in one MGET instead of two calls a worker."""
+    return f"{PREFIX}:worker:{worker_id}:alive"
+
+
 def worker_cache_counters(worker_id: str) -> str:
     return f"{PREFIX}:worker:{worker_id}:cache:counters"
 
@@ -160,6 +168,11 @@ def worker_blocks(worker_id: str, epoch: str) -> str:
 
 # Always a member of a live worker's block set: the set exists while the worker's index does.
 INDEX_MARKER = b"-"
+
+# A member of every worker_routed set, scored +inf, longer than Redis's zset-max-listpack-value
+# (64 by default): it keeps the set a skiplist, where a prompt's marks are read and written by
+# lookup instead of by scanning a listpack once per block.
+ROUTED_PIN = "(mlxcel: keeps this set a skiplist; never a block)".ljust(256, ".")
 
 
 def worker_routed(worker_id: str) -> str:
@@ -237,6 +250,7 @@ def router_wake(hub_id: str) -> str:
 # so that no key is formatted outside this module.
 WORKER_KEY_TEMPLATES: dict[str, str] = {
     "info": worker_info("{wid}"),
+    "alive": worker_alive("{wid}"),
     "counters": worker_cache_counters("{wid}"),
     "blocks": worker_blocks("{wid}", "{epoch}"),
     "routed": worker_routed("{wid}"),
@@ -283,7 +297,16 @@ def parse_key(key: str) -> ParsedKey:
         part = ":".join(parts[3:])
         allowed = {
             "req": {"stream", "cancel"},
-            "worker": {"info", "cache:counters", "control", "reaped", "routed", "load", "prefill"},
+            "worker": {
+                "info",
+                "alive",
+                "cache:counters",
+                "control",
+                "reaped",
+                "routed",
+                "load",
+                "prefill",
+            },
             "control": {"reply"},
             "router": {"wake"},
             "response": {"state"},

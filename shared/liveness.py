@@ -45,6 +45,12 @@ def min_alive_pttl_ms() -> int:
     return int((keys.LIVENESS_TTL_S - DEAD_AFTER_S) * 1000)
 
 
+def alive_ttl_ms() -> int:
+    """The TTL of a worker's alive key (keys.worker_alive), written with its info hash's: it
+    lapses exactly when the hash's PTTL falls to min_alive_pttl_ms."""
+    return keys.LIVENESS_TTL_S * 1000 - min_alive_pttl_ms()
+
+
 def heartbeat_age_s(pttl_ms: int) -> float | None:
     """Seconds since the worker's last heartbeat, from its info hash's PTTL (None: no hash)."""
     if pttl_ms < 0:  # -2: no such key; -1: no TTL (never written so by a worker)

@@ -102,6 +102,7 @@ def test_mlxcel_keys_parse_back(name: str) -> None:
         "response": {"state": keys.response_state},
         "worker": {
             "info": keys.worker_info,
+            "alive": keys.worker_alive,
             "cache:counters": keys.worker_cache_counters,
             "control": keys.worker_control,
             "reaped": keys.worker_reaped,

@@ -1,6 +1,8 @@
 """Placement on a real Redis: the one script that admits a request and picks its worker, against
 worker records written as workers write them (info hash with model and epoch, block set under
-that epoch). The pool end to end, with real workers, is tests/test_routing_e2e.py."""
+that epoch; the alive key a worker also writes only where a test says so, as a worker that writes
+none is judged by its info hash alone). The pool end to end, with real workers, is
+tests/test_routing_e2e.py."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from router.placement.place_call import Placement, Refusal
 from shared import keys
 from shared.block_hash import BlockHasher, CacheNamespace, index_members
 from shared.config import AdmissionConfig, PromptCacheConfig, RoutingConfig
-from shared.liveness import min_alive_pttl_ms
+from shared.liveness import alive_ttl_ms, min_alive_pttl_ms
 
 MODEL = "m"
 HASHER = BlockHasher(16, "sha256")
@@ -62,6 +64,11 @@ def _worker(
     r.sadd(blocks, keys.INDEX_MARKER)
     if holds:
         r.sadd(blocks, *_members(holds, model))
+
+
+def _marks(r: redis.Redis, routed: str) -> int:
+    """The routed marks in a worker's set (its pin, scored +inf, is none)."""
+    return int(r.zcount(routed, "-inf", "(inf"))
 
 
 def _place(ledger: AdmissionLedger, rid: str, tokens: list[int], model: str = MODEL) -> Placement:
@@ -131,9 +138,9 @@ def test_a_prefix_still_prefilling_counts_for_the_worker_it_was_sent_to(redis_ur
         # The marks go with the request that wrote them last; until then they stay.
         routed = keys.worker_routed(first.worker_id)
         await ledger.release("a")
-        assert r.zcard(routed) == 8
+        assert _marks(r, routed) == 8
         await ledger.release("b")
-        assert r.zcard(routed) == 0
+        assert _marks(r, routed) == 0
         third = _place(ledger, "c", SYSTEM + [3] * 5)
         assert third.outcome == "load" and third.predicted_tokens == 0
 
@@ -296,7 +303,7 @@ def test_a_prompt_sent_to_a_snapshot_worker_marks_only_its_checkpoints(redis_url
     assert placed.worker_id == "w1" and placed.predicted_tokens == 0
     prompt = LONG_SHARED + [1] * 24
     members = _members(prompt)
-    routed = {m for m, _ in r.zrange(keys.worker_routed("w1"), 0, -1, withscores=True)}
+    routed = set(r.zrangebyscore(keys.worker_routed("w1"), "-inf", "(inf"))
     assert routed == {members[15], members[19]}
     second = _place(ledger, "b", LONG_SHARED + [2] * 24)
     assert (second.worker_id, second.outcome, second.predicted_tokens) == ("w1", "cache", 256)
@@ -344,3 +351,38 @@ def test_the_choices_of_one_prompt_are_placed_together_or_refused_together(
 
     asyncio.run(release_all())
     assert r.zcard(keys.admission_inflight()) == 0 and r.zcard(keys.worker_load(wid)) == 0
+
+
+def test_a_worker_counts_as_alive_by_its_alive_key_or_else_by_its_info_hash(
+    redis_url: str,
+) -> None:
+    r = redis.Redis.from_url(redis_url)
+    # w1's info hash looks stale, but its alive key, which it writes with every beat, stands:
+    # the key decides, and names the epoch its block index is read under.
+    _worker(r, "w1", alive=False, epoch="e7", holds=SYSTEM)
+    r.set(keys.worker_alive("w1"), "e7", px=alive_ttl_ms())
+    _worker(r, "w2")  # writes no alive key: its info hash's TTL decides
+    _worker(r, "w3", alive=False)  # neither
+    rr = _ledger(redis_url, policy="round_robin")
+    assert {_place(rr, f"r{i}", [i] * 20).worker_id for i in range(6)} == {"w1", "w2"}
+    placed = _place(_ledger(redis_url), "c", SYSTEM + [9] * 5)
+    assert (placed.worker_id, placed.outcome, placed.predicted_tokens) == ("w1", "cache", 128)
+    # Its alive key lapsed: w1 no longer counts, whatever its info hash holds.
+    r.delete(keys.worker_alive("w1"))
+    r.pexpire(keys.worker_info("w1"), min_alive_pttl_ms() - 1000)
+    assert {_place(rr, f"s{i}", [i] * 20).worker_id for i in range(4)} == {"w2"}
+
+
+def test_a_workers_routed_marks_are_kept_in_a_skiplist(redis_url: str) -> None:
+    """Its pin keeps the set a skiplist from its first mark: a prompt's marks are looked up,
+    never scanned for in a listpack once per block. The pin counts as no block."""
+    r = redis.Redis.from_url(redis_url)
+    _worker(r, "w1")
+    ledger = _ledger(redis_url)
+    first = _place(ledger, "a", SYSTEM + [1] * 5)
+    routed = keys.worker_routed("w1")
+    assert r.object("encoding", routed) == b"skiplist"
+    assert r.zscore(routed, keys.ROUTED_PIN) == float("inf") and _marks(r, routed) == 8
+    second = _place(ledger, "b", SYSTEM + [2] * 5)
+    assert (second.worker_id, second.outcome, second.predicted_tokens) == ("w1", "cache", 128)
+    assert first.worker_id == "w1"

@@ -184,6 +184,7 @@ class AdmissionLedger:
             max_queued_prompt_tokens=c.max_queued_prompt_tokens,
             min_alive_pttl_ms=min_alive_pttl_ms(),
             info_template=t["info"],
+            alive_template=t["alive"],
             blocks_template=t["blocks"],
             routed_template=t["routed"],
             first_template=keys.ROUTING_FIRST_TEMPLATE,
@@ -197,6 +198,7 @@ class AdmissionLedger:
             balance_abs=r.balance_abs_threshold,
             balance_rel=r.balance_rel_threshold,
             routed_ttl_ms=keys.ROUTED_TTL_S * 1000,
+            skiplist_pin=keys.ROUTED_PIN,
             siblings=list(siblings),
         )
         reply = parse_reply(self._place(keys=PLACE_KEYS, args=call.argv(members)))

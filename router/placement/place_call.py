@@ -22,6 +22,7 @@ class PlaceArgs:
     max_queued_prompt_tokens: int
     min_alive_pttl_ms: int  # a worker whose alive key has less left is not live
     info_template: str  # per-worker key templates ({wid}, {epoch}) from shared.keys
+    alive_template: str
     blocks_template: str
     routed_template: str
     first_template: str  # the first block's marks ({block}: its hex)
@@ -35,6 +36,7 @@ class PlaceArgs:
     balance_abs: int
     balance_rel: float
     routed_ttl_ms: int
+    skiplist_pin: str  # shared.keys.ROUTED_PIN
     siblings: list[str] = field(default_factory=list)  # the other choices of the prompt
 
     def argv(self, members: list[bytes]) -> list[Any]:

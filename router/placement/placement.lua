@@ -7,9 +7,10 @@
 -- siblings (the other choices of its prompt, `n` > 1) are admitted and placed with it, on the
 -- same worker, or refused with it: that worker computes their shared prompt once.
 --
--- A decision costs a few calls per live worker (its liveness, its identity, the prompt's first
--- block in its index) and a few per worker that holds that block: every worker's load comes from
--- the pool's placement table in one read, and the first block's routed marks from one key.
+-- A decision costs one call per live worker (the prompt's first block in its index) and a few
+-- per worker that holds that block: every worker's liveness and epoch come from one read of
+-- their alive keys, every worker's load from the pool's placement table in one read, and the
+-- first block's routed marks from one key.
 --
 -- KEYS: 1 admission inflight zset, 2 admission queued hash, 3 worker roster set,
 --       4 routing stats hash, 5 round-robin cursor, 6 placements hash, 7 worker loads hash
@@ -45,6 +46,7 @@ local function template(text, name)
   return function(v) return head .. v .. tail end
 end
 local info_key, routed_key = template(p.info_template, 'wid'), template(p.routed_template, 'wid')
+local alive_key = template(p.alive_template, 'wid')
 local load_key, prefill_key = template(p.load_template, 'wid'), template(p.prefill_template, 'wid')
 local blocks_head, blocks_mid, blocks_tail =
   string.match(p.blocks_template, '^(.-){wid}(.-){epoch}(.*)$')
@@ -93,19 +95,29 @@ local function hash_table(key)
 end
 
 -- The live workers of the model, in id order, each with its load from the placement table.
--- Per worker two reads of its info hash: its liveness (PTTL) and its epoch. The rest of what
--- routing needs of it (its model, its cache's mode) comes from the facts table, which holds it
--- per epoch: a worker writes those fields once per life, so they hold while its epoch does,
--- and they are read from its info hash again when the epoch is new.
+-- Every worker's liveness and epoch come from one read of the alive keys (a worker's lapses
+-- exactly when it stops counting as alive); a worker without one (it writes none) is judged by
+-- its info hash: its TTL left, then its epoch. The rest of what routing needs of it (its model,
+-- its cache's mode) comes from the facts table, which holds it per epoch: a worker writes those
+-- fields once per life, so they hold while its epoch does, and they are read from its info hash
+-- again when the epoch is new.
 local roster = redis.call('SMEMBERS', KEYS[3])
 table.sort(roster)
 local facts, loads = hash_table(KEYS[8]), hash_table(KEYS[7])
+local epochs = {}
+for i = 1, #roster, 1000 do
+  local names = {}
+  for j = i, math.min(i + 999, #roster) do names[#names + 1] = alive_key(roster[j]) end
+  for _, e in ipairs(redis.call('MGET', unpack(names))) do epochs[#epochs + 1] = e end
+end
 local live = {}
 for i = 1, #roster do
   local wid = roster[i]
-  local info = info_key(wid)
-  if redis.call('PTTL', info) > min_pttl then
-    local epoch = redis.call('HGET', info, 'epoch') or ''
+  local epoch = epochs[i]
+  if not epoch and redis.call('PTTL', info_key(wid)) > min_pttl then
+    epoch = redis.call('HGET', info_key(wid), 'epoch') or ''
+  end
+  if epoch then
     -- '<epoch>|<mode>|<paged_block_size>|<checkpoint_tokens>|<model>', the mode and its
     -- setting only for a paged or snapshot cache: a plain one's model is one comparison.
     local fact, mode, page, every_tokens = facts[wid], '', '', ''
@@ -117,7 +129,7 @@ for i = 1, #roster do
           string.match(fact, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|(.*)$')
       end
       if epoch == '' or seen ~= epoch then
-        local f = redis.call('HMGET', info, 'model', 'storage_mode', 'paged_block_size',
+        local f = redis.call('HMGET', info_key(wid), 'model', 'storage_mode', 'paged_block_size',
                              'checkpoint_tokens')
         its_model, mode, page, every_tokens = f[1] or '', f[2] or '', f[3] or '', f[4] or ''
         if mode ~= 'paged' then page = '' end
@@ -307,6 +319,10 @@ if #members > 0 and policy == 'cache_aware' then
   routed_score = now + routed_ttl
   local routed = routed_key(chosen.wid)
   redis.call('ZREMRANGEBYSCORE', routed, '-inf', now)
+  -- A member longer than zset-max-listpack-value keeps the set a skiplist for its life: as a
+  -- listpack (up to 128 members, one or two requests' marks) every ZMSCORE and ZADD of a
+  -- prompt's blocks scans the whole list once per block. Scored +inf, it never lapses.
+  redis.call('ZADD', routed, '+inf', p.skiplist_pin)
   -- A snapshot worker will hold only the blocks where this prompt's prefill keeps checkpoints
   -- (worker/prompt_cache/checkpoints.py): each `every`-th, and the last before its last token.
   local scored, last = {}, math.floor((prompt - 1) / block_size)

@@ -36,7 +36,7 @@ from rq import Queue, SimpleWorker
 from rq.worker import WorkerStatus
 
 from shared import keys
-from shared.liveness import DEAD_AFTER_S, STUCK_AFTER_S, pid_alive
+from shared.liveness import DEAD_AFTER_S, STUCK_AFTER_S, alive_ttl_ms, pid_alive
 from shared.wire import MsgpackSerializer
 from worker.broker.standing import Silence, Standing, redis_run_id
 
@@ -52,12 +52,15 @@ EXECUTION_TTL_S = int(STUCK_AFTER_S) + EXECUTION_MARGIN_S  # at the default stuc
 # 2 when a peer reaped it, 1 when its registration is not whole (its liveness hash gone; rq's
 # record gone, dead, not in rq's worker set, or only rq's heartbeat fields written again after
 # it lapsed, without its birth: `rq info` would not list it rightly), else 0.
-# KEYS: info, rq worker record, block set, reaped claim, rq's worker set; ARGV: ttl, loop age.
+# The alive key (keys.worker_alive) is written with the hash's TTL, for as long as it counts.
+# KEYS: info, rq worker record, block set, reaped claim, rq's worker set, alive key;
+# ARGV: ttl, loop age, epoch, the alive key's ttl in ms.
 _BEAT_SCRIPT = """
 local whole = redis.call('EXISTS', KEYS[1]) == 1
 if whole then
   redis.call('HSET', KEYS[1], 'loop_age_s', ARGV[2])
   redis.call('EXPIRE', KEYS[1], ARGV[1])
+  redis.call('SET', KEYS[6], ARGV[3], 'PX', ARGV[4])
   redis.call('EXPIRE', KEYS[2], ARGV[1])
   redis.call('EXPIRE', KEYS[3], ARGV[1])
 end
@@ -116,6 +119,7 @@ class WorkerPresence(RqWorkerRecord):
             "stuck_after_s": f"{stuck_after_s:g}",
         }
         self._k_info = keys.worker_info(worker_id)
+        self._k_alive = keys.worker_alive(worker_id)
         self.redis_run_id = ""  # the server's run_id at the last arrive (a new one: restarted)
         self._busy = False
         self._next_beat = 0.0
@@ -237,13 +241,14 @@ class WorkerPresence(RqWorkerRecord):
         live = {**self.info, **_strs(gauges), "last_seen": f"{time.time():.3f}"}
         pipe.hset(self._k_info, mapping=live)
         pipe.expire(self._k_info, keys.LIVENESS_TTL_S)
+        pipe.set(self._k_alive, self.epoch, px=alive_ttl_ms())
 
     # -- death -----------------------------------------------------------------------------
 
     def leave(self) -> None:
         """rq's death and the liveness hash gone; the counters stay (pool totals outlive it)."""
         self.stop_heartbeat()
-        self.connection.delete(self._k_info)
+        self.connection.delete(self._k_info, self._k_alive)
         self.register_death()
 
     # -- the heartbeat thread ----------------------------------------------------------------
@@ -312,6 +317,7 @@ class Heartbeat(threading.Thread):
             keys.worker_blocks(presence.worker_id, presence.epoch),
             keys.worker_reaped(presence.worker_id),
             presence.redis_workers_keys,  # rq's set of live workers
+            keys.worker_alive(presence.worker_id),
         ]
         # Its own connection (taken from the pool at the first beat), so a publish or a blocking
         # dequeue on the loop's never delays a beat.
@@ -416,7 +422,11 @@ class Heartbeat(threading.Thread):
         reply: int | None = None
         try:
             reply = int(
-                script(keys=self._keys, args=[keys.LIVENESS_TTL_S, f"{age:.1f}"], client=conn)
+                script(
+                    keys=self._keys,
+                    args=[keys.LIVENESS_TTL_S, f"{age:.1f}", self.presence.epoch, alive_ttl_ms()],
+                    client=conn,
+                )
             )
         except redis.RedisError as exc:  # the loop finds a lost Redis itself and reconnects
             log.debug("heartbeat of %s failed: %s", self.presence.worker_id, exc)
