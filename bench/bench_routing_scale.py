@@ -257,7 +257,8 @@ def worker_ids(n: int) -> list[str]:
 
 
 def seed_families(r: redis.Redis, prompts: Prompts, wids: list[str]) -> None:
-    """Each new worker's block set also holds its prefix family (under its current epoch)."""
+    """Each new worker's block set also holds its prefix family (under its current epoch), and
+    the worker is listed as a holder of the family's first block, as a worker lists itself."""
     with r.pipeline(transaction=False) as pipe:
         for wid in wids:
             pipe.hget(keys.worker_info(wid), "epoch")
@@ -266,7 +267,9 @@ def seed_families(r: redis.Redis, prompts: Prompts, wids: list[str]) -> None:
         for wid, epoch in zip(wids, epochs, strict=True):
             if not epoch:
                 raise RuntimeError(f"synthetic worker {wid} has no epoch in its info hash")
-            pipe.sadd(keys.worker_blocks(wid, epoch.decode()), *prompts.family_for(wid))
+            family = prompts.family_for(wid)
+            pipe.sadd(keys.worker_blocks(wid, epoch.decode()), *family)
+            pipe.sadd(keys.routing_holders(family[0].hex()), wid)
         pipe.execute()
 
 

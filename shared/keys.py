@@ -31,6 +31,7 @@ script (Redis time there grows with the number of calls).
 | `mlxcel:routing:placed` | hash | routers: the worker each request counts on | none |
 | `mlxcel:routing:load` | hash | routers: each worker's requests and queued tokens | none |
 | `mlxcel:routing:first:<block>` | zset | routers: workers a first block went to | ROUTED_TTL_S |
+| `mlxcel:routing:holders:<block>` | set | workers: those holding a first block | HOLDERS_TTL_S |
 | `mlxcel:routing:facts` | hash | routers: each worker's model and cache settings | none |
 | `mlxcel:supervisor:restarts` | hash | supervisors: worker id -> restarts | none: counters |
 | `mlxcel:routing:canary` | hash | routers and workers: model id -> canary hash | none |
@@ -69,6 +70,9 @@ JOB_QUEUED_TTL_S = 600
 # A placed request's routed blocks and load entry lapse this long after their router last
 # refreshed them (a crashed router's placements free themselves).
 ROUTED_TTL_S = 30
+# A first block's holders set lives this long past the last worker that listed itself there or
+# the last placement that found a holder in it: the entries of a worker's earlier life lapse.
+HOLDERS_TTL_S = 86_400
 
 # rq queue names (rq builds `rq:queue:<name>` itself).
 QUEUE_PREFIX = "mlxcel"
@@ -225,6 +229,14 @@ def routing_first(block_hex: str) -> str:
     return f"{PREFIX}:routing:first:{block_hex}"
 
 
+def routing_holders(block_hex: str) -> str:
+    """The workers whose block index holds this block (the hex of its index member) as a
+    prompt's first block: a worker adds itself as it starts holding it and removes itself as it
+    stops, so a placement decision finds a prompt's holders here instead of in every worker's
+    block set (and checks a holder's own set, which an entry of its earlier life fails)."""
+    return f"{PREFIX}:routing:holders:{block_hex}"
+
+
 def routing_cursor() -> str:
     return f"{PREFIX}:routing:rr"
 
@@ -259,8 +271,10 @@ WORKER_KEY_TEMPLATES: dict[str, str] = {
 }
 
 
-# Template of routing_first for Lua (the script substitutes the block's hex for `{block}`).
+# Templates of routing_first and routing_holders for Lua (the script substitutes the block's
+# hex for `{block}`).
 ROUTING_FIRST_TEMPLATE = routing_first("{block}")
+ROUTING_HOLDERS_TEMPLATE = routing_holders("{block}")
 
 ROUTING_PARTS = ("stats", "canary", "rr", "placed", "load", "facts")
 
@@ -283,8 +297,8 @@ def parse_key(key: str) -> ParsedKey:
         return ParsedKey("admission", "", parts[2])
     if len(parts) == 3 and parts[1] == "routing" and parts[2] in ROUTING_PARTS:
         return ParsedKey("routing", "", parts[2])
-    if len(parts) == 4 and parts[1:3] == ["routing", "first"] and parts[3]:
-        return ParsedKey("routing", parts[3], "first")
+    if len(parts) == 4 and parts[1] == "routing" and parts[2] in ("first", "holders") and parts[3]:
+        return ParsedKey("routing", parts[3], parts[2])
     if parts[1:] == ["supervisor", "restarts"]:
         return ParsedKey("supervisor", "", "restarts")
     if len(parts) == 5 and parts[1] == "worker" and parts[2] and parts[3] == "blocks" and parts[4]:

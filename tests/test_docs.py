@@ -115,6 +115,8 @@ def test_mlxcel_keys_parse_back(name: str) -> None:
         assert key == keys.workers_roster()
     elif parsed.kind == "routing" and parsed.part == "first":
         assert keys.routing_first(parsed.ident) == key
+    elif parsed.kind == "routing" and parsed.part == "holders":
+        assert keys.routing_holders(parsed.ident) == key
     elif parsed.kind == "routing":
         built = {
             "stats": keys.routing_stats,

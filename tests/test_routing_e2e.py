@@ -65,6 +65,12 @@ def holds(r: redis.Redis, wid: str, prompt: list[int]) -> int:
     return next((i for i, h in enumerate(held) if not h), len(held))
 
 
+def listed(r: redis.Redis, prompt: list[int]) -> set[str]:
+    """The workers listed as holding the prompt's first block (the pool's holders set)."""
+    first = index_members(BlockHasher(16).chain(prompt, CacheNamespace(MODEL).seed()))[0]
+    return {w.decode() for w in r.smembers(keys.routing_holders(first.hex()))}
+
+
 def _stats(pool) -> dict[str, int]:
     return {k.decode(): int(v) for k, v in pool.r.hgetall(keys.routing_stats()).items()}
 
@@ -87,6 +93,8 @@ def test_requests_sharing_a_prefix_follow_the_worker_that_holds_it(pool) -> None
     # The finished sequence is in the holder's cache, and its index says so.
     wait_for(lambda: holds(pool.r, holder, PREFIX) == 6, 10, "the holder's index lists the prefix")
     assert holds(pool.r, _other(holder), PREFIX) == 0
+    # It is listed under the prefix's first block, the one set a decision reads for it.
+    assert listed(pool.r, PREFIX) == {holder}
     before = _stats(pool).get("decisions:cache", 0)
     for k in range(6):  # two router processes answer these in turn: both follow the index
         served, reused = complete(pool, PREFIX + tail(610 + 9 * k))
@@ -129,8 +137,11 @@ def test_a_lost_index_is_written_again_whole(pool) -> None:
     wait_for(lambda: holds(pool.r, holder, PREFIX) == 6, 10, "indexed")
     epoch = pool.r.hget(keys.worker_info(holder), "epoch").decode()
     size = pool.r.scard(keys.worker_blocks(holder, epoch))
-    pool.r.delete(keys.worker_blocks(holder, epoch))  # as a Redis flush or restart would
+    first = index_members(BlockHasher(16).chain(PREFIX, CacheNamespace(MODEL).seed()))[0]
+    # As a Redis flush or restart would: the block set and the holders set go together.
+    pool.r.delete(keys.worker_blocks(holder, epoch), keys.routing_holders(first.hex()))
     wait_for(lambda: pool.r.scard(keys.worker_blocks(holder, epoch)) >= size, 10, "rewritten")
+    wait_for(lambda: listed(pool.r, PREFIX) == {holder}, 10, "listed again")
     assert complete(pool, PREFIX + tail(810))[0] == holder
 
 
@@ -140,6 +151,7 @@ def test_after_the_holder_evicts_the_prefix_requests_go_by_load(pool) -> None:
     assert resp.status_code == 200
     for wid in WORKERS:  # only the marker is left in each index
         wait_for(lambda w=wid: holds(pool.r, w, PREFIX) == 0, 10, f"{wid}'s index emptied")
+    assert listed(pool.r, PREFIX) == set()  # and no worker is listed as holding its first block
     before = _stats(pool).get("decisions:load", 0)
     served, reused = complete(pool, PREFIX + tail(910))
     assert reused == 0 and served in WORKERS

@@ -361,6 +361,7 @@ def test_a_worker_counts_as_alive_by_its_alive_key_or_else_by_its_info_hash(
     # the key decides, and names the epoch its block index is read under.
     _worker(r, "w1", alive=False, epoch="e7", holds=SYSTEM)
     r.set(keys.worker_alive("w1"), "e7", px=alive_ttl_ms())
+    r.sadd(keys.routing_holders(_members(SYSTEM)[0].hex()), "w1")  # it lists itself, too
     _worker(r, "w2")  # writes no alive key: its info hash's TTL decides
     _worker(r, "w3", alive=False)  # neither
     rr = _ledger(redis_url, policy="round_robin")
@@ -386,3 +387,29 @@ def test_a_workers_routed_marks_are_kept_in_a_skiplist(redis_url: str) -> None:
     second = _place(ledger, "b", SYSTEM + [2] * 5)
     assert (second.worker_id, second.outcome, second.predicted_tokens) == ("w1", "cache", 128)
     assert first.worker_id == "w1"
+
+
+def test_a_worker_that_lists_itself_is_found_by_the_holders_of_the_first_block(
+    redis_url: str,
+) -> None:
+    """A worker with an alive key lists itself under the first blocks it holds: a decision reads
+    that one set, not the worker's block set, to rule it out; a listing is checked against the
+    worker's own set, and one its set does not bear out (an earlier life's) goes."""
+    r = redis.Redis.from_url(redis_url)
+    first = _members(SYSTEM)[0]
+    holders = keys.routing_holders(first.hex())
+    for wid in ("w1", "w2", "w3"):
+        _worker(r, wid, holds=SYSTEM if wid != "w3" else None)
+        r.set(keys.worker_alive(wid), "e1", px=alive_ttl_ms())
+    # w1 holds the prefix and lists itself; w2 holds it and is not listed (its listing lapsed):
+    # it is not found; w3 is listed from an earlier life and holds nothing now.
+    r.sadd(holders, "w1", "w3")
+    ledger = _ledger(redis_url)
+    placed = _place(ledger, "a", SYSTEM + [1] * 5)
+    assert (placed.worker_id, placed.outcome, placed.predicted_tokens) == ("w1", "cache", 128)
+    assert r.smembers(holders) == {b"w1"}  # w3's stale entry went
+    assert r.pttl(holders) > (keys.HOLDERS_TTL_S - 60) * 1000  # a holder found: the set lives on
+    asyncio.run(ledger.release("a"))
+    # With w1 unlisted, nothing finds the prefix (w2's block set is never read for it).
+    r.srem(holders, "w1")
+    assert _place(ledger, "b", SYSTEM + [2] * 5).outcome == "load"

@@ -234,9 +234,11 @@ class WorkerLoop:
         """Turn the engine's result into this step's writes and hand them to the outbox."""
         _fill(writes, out, self.presence.worker_id)
         writes.index = out.index
+        writes.index_firsts = out.index_firsts
         if self._index_full_due:
             why, self._index_full_due = self._index_full_due, ""
             writes.index_full = self.engine.held_blocks()
+            writes.index_firsts = writes.index_firsts | self.engine.held_first_blocks()
             log.info("block index %s: writing its %d block(s)", why, len(writes.index_full))
         running = self.engine.running
         writes.busy = bool(running)
@@ -454,6 +456,7 @@ def _without(out: StepResult, requests: set[Request]) -> StepResult:
         last_reject=out.last_reject,
         prefill_pending=out.prefill_pending,
         index=out.index,
+        index_firsts=out.index_firsts,
     )
 
 

@@ -188,6 +188,7 @@ class AdmissionLedger:
             blocks_template=t["blocks"],
             routed_template=t["routed"],
             first_template=keys.ROUTING_FIRST_TEMPLATE,
+            holders_template=keys.ROUTING_HOLDERS_TEMPLATE,
             load_template=t["load"],
             prefill_template=t["prefill"],
             model=model_id,
@@ -198,6 +199,7 @@ class AdmissionLedger:
             balance_abs=r.balance_abs_threshold,
             balance_rel=r.balance_rel_threshold,
             routed_ttl_ms=keys.ROUTED_TTL_S * 1000,
+            holders_ttl_ms=keys.HOLDERS_TTL_S * 1000,
             skiplist_pin=keys.ROUTED_PIN,
             siblings=list(siblings),
         )

@@ -26,6 +26,7 @@ class PlaceArgs:
     blocks_template: str
     routed_template: str
     first_template: str  # the first block's marks ({block}: its hex)
+    holders_template: str  # the first block's holders ({block}: its hex)
     load_template: str
     prefill_template: str
     model: str
@@ -36,6 +37,7 @@ class PlaceArgs:
     balance_abs: int
     balance_rel: float
     routed_ttl_ms: int
+    holders_ttl_ms: int
     skiplist_pin: str  # shared.keys.ROUTED_PIN
     siblings: list[str] = field(default_factory=list)  # the other choices of the prompt
 

@@ -53,11 +53,12 @@ local blocks_head, blocks_mid, blocks_tail =
 local function blocks_key(w) return blocks_head .. w.wid .. blocks_mid .. w.epoch .. blocks_tail end
 -- The prompt's first block's routed marks: worker id -> when its mark lapses (members are
 -- binary, the key names the block in hex).
-local first_key = nil
+local first_key, holders_key = nil, nil
 if #members > 0 then
   local m = members[1]
-  first_key = template(p.first_template, 'block')(
-    string.format(string.rep('%02x', #m), string.byte(m, 1, -1)))
+  local hex = string.format(string.rep('%02x', #m), string.byte(m, 1, -1))
+  first_key = template(p.first_template, 'block')(hex)
+  holders_key = template(p.holders_template, 'block')(hex)
 end
 
 -- A request off the table, with its entries on its worker.
@@ -113,7 +114,7 @@ end
 local live = {}
 for i = 1, #roster do
   local wid = roster[i]
-  local epoch = epochs[i]
+  local epoch, listing = epochs[i], epochs[i] ~= false
   if not epoch and redis.call('PTTL', info_key(wid)) > min_pttl then
     epoch = redis.call('HGET', info_key(wid), 'epoch') or ''
   end
@@ -143,8 +144,9 @@ for i = 1, #roster do
       of_model = its_model == model
     end
     if of_model then
+      -- listing: a worker that writes an alive key lists itself in the holders sets too.
       local w = {wid = wid, epoch = epoch, running = 0, queued = 0, cached = 0, unit = 1,
-                 every = 0}
+                 every = 0, listing = listing}
       if loads[wid] then w.running, w.queued = pair(loads[wid]) end
       -- A paged cache adopts whole pages: what it can reuse is floored to its page size.
       if mode == 'paged' then w.unit = math.max(tonumber(page) or 1, 1) end
@@ -194,6 +196,18 @@ local function routed_first(w)
   return first_routed[w.wid] == true
 end
 
+-- The workers listed as holding the prompt's first block (those that list themselves: the rest
+-- are looked up in their block sets), read from one key. An entry may be from a worker's
+-- earlier life: each is checked in the worker's own set, and one that fails goes.
+local holders, stale, held_first = nil, {}, false
+local function listed_holder(w)
+  if holders == nil then
+    holders = {}
+    for _, wid in ipairs(redis.call('SMEMBERS', holders_key)) do holders[wid] = true end
+  end
+  return holders[w.wid] == true
+end
+
 -- A snapshot worker: the deepest of the prompt's blocks it holds or was sent, short of the
 -- prompt's last token (a snapshot is restored only whole, and one token is left to compute).
 local function resumable_tokens(w)
@@ -217,17 +231,23 @@ end
 
 -- How many of the prompt's leading blocks the worker holds or was already sent (each block the
 -- one or the other), as tokens. Most workers hold no block of a given prompt: the first block
--- alone rules them out (one O(1) call), so a decision's cost beyond that grows with the workers
--- that match, not with every live one. A worker the first block was sent to has its marks read
+-- alone rules them out (the holders set read once, or one O(1) call a worker that lists itself
+-- nowhere), so a decision's cost beyond that grows with the workers that match, not with every
+-- live one. A worker the first block was sent to has its marks read
 -- first: a run of them ends where that earlier prompt and this one part.
 local function cached_tokens(w)
   if #members == 0 then return 0 end
   if w.snapshot then return resumable_tokens(w) end
-  local n, blocks, sent = #members, blocks_key(w), routed_first(w)
-  local k = 0
+  local sent = routed_first(w)
+  if not sent and w.listing and not listed_holder(w) then return 0 end
+  local n, blocks, k = #members, blocks_key(w), 0
   if not sent then
-    if redis.call('SISMEMBER', blocks, members[1]) == 0 then return 0 end
+    if redis.call('SISMEMBER', blocks, members[1]) == 0 then
+      if w.listing then stale[#stale + 1] = w.wid end
+      return 0
+    end
     k = 1
+    held_first = held_first or w.listing
   end
   local routed, marks, from = routed_key(w.wid), {}, k
   if k < n and (sent or redis.call('ZCARD', routed) > 0) then
@@ -263,6 +283,13 @@ end
 
 local function load_of(w) return w.queued + decode_weight * w.running end
 
+-- What the holders set showed: an entry whose worker lacks the block goes, and a set that named
+-- a holder lives on (a worker holding a block long unchanged relisted by the prompts it serves).
+local function tidy_holders()
+  if #stale > 0 then redis.call('SREM', holders_key, unpack(stale)) end
+  if held_first then redis.call('PEXPIRE', holders_key, p.holders_ttl_ms) end
+end
+
 local chosen, outcome, cost = nil, 'no_worker', 0
 if #open > 0 then
   if policy == 'round_robin' then
@@ -296,6 +323,7 @@ if #open > 0 then
     else outcome = 'spill' end
   end
   cost = prompt - chosen.cached + load_of(chosen)
+  tidy_holders()
 end
 
 -- Reserve: the pool's ledger, then the worker's load and the blocks now on their way to it.

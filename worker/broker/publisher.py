@@ -59,6 +59,9 @@ class StepWrites:
     watched: list[str] = field(default_factory=list)  # running request ids: read cancel flags
     index: dict[bytes, bool] = field(default_factory=dict)  # block index changes
     index_full: list[bytes] | None = None  # every block held: the index was found lost
+    # The members of `index` and `index_full` that are a prompt's first block: the worker is
+    # listed under each in the pool's holders sets (keys.routing_holders) while it holds it.
+    index_firsts: set[bytes] = field(default_factory=set)
 
     def beyond_script(self, busy_was: bool) -> bool:
         """Whether the step sends anything the step script does not carry (streams, ongoing,
@@ -176,7 +179,7 @@ class Publisher:
         with self.r.pipeline(transaction=False) as pipe:
             if check_index:  # first, so this pipeline's own SADDs cannot hide a lost set
                 pipe.expire(blocks, keys.LIVENESS_TTL_S)
-            _write_index(pipe, blocks, writes)
+            _write_index(pipe, blocks, writes, self.presence.worker_id)
             at, step_command = len(pipe), self._step_command(writes)
             pipe.execute_command(*step_command)
             for end in writes.ended:
@@ -290,7 +293,15 @@ def _drop(pool: Any, conn: Any) -> None:
 INDEX_CHUNK = 10_000
 
 
-def _write_index(pipe: Any, blocks: str, writes: StepWrites) -> None:
+def _write_index(pipe: Any, blocks: str, writes: StepWrites, worker_id: str) -> None:
+    """The block set's changes, and the holders sets of the first blocks among them: a worker
+    is listed as a holder only after the block is in its set, and unlisted before it leaves, so
+    a holder found there holds the block in its set unless the entry is from an earlier life."""
+    firsts = writes.index_firsts
+    gone = [m for m, held in writes.index.items() if not held]
+    for m in gone:
+        if m in firsts:
+            pipe.srem(keys.routing_holders(m.hex()), worker_id)
     if writes.index_full is not None:
         full = writes.index_full
         pipe.sadd(blocks, keys.INDEX_MARKER)
@@ -298,11 +309,16 @@ def _write_index(pipe: Any, blocks: str, writes: StepWrites) -> None:
             pipe.sadd(blocks, *full[i : i + INDEX_CHUNK])
         pipe.expire(blocks, keys.LIVENESS_TTL_S)
     added = [m for m, held in writes.index.items() if held]
-    removed = [m for m, held in writes.index.items() if not held]
     if added:
         pipe.sadd(blocks, *added)
-    if removed:
-        pipe.srem(blocks, *removed)
+    if gone:
+        pipe.srem(blocks, *gone)
+    listed = set(writes.index_full or ()) | set(added)
+    for m in firsts:
+        if m in listed:
+            holders = keys.routing_holders(m.hex())
+            pipe.sadd(holders, worker_id)
+            pipe.expire(holders, keys.HOLDERS_TTL_S)
 
 
 def _parse_step(reply: list[Any], watched: list[str]) -> PublishResult:

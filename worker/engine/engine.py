@@ -653,7 +653,9 @@ class Engine:
         out.counters = self.counters.take()
         if self.prompt_cache is not None:
             out.counters.update(self.prompt_cache.counters.take())
-            out.index.update(self.prompt_cache.store.index.take())
+            changes, firsts = self.prompt_cache.store.index.take()
+            out.index.update(changes)
+            out.index_firsts |= firsts
             last = self.prompt_cache.counters.last_reject
             if last is not None and last != self._last_reject_sent:
                 out.last_reject = self._last_reject_sent = dict(last)
@@ -662,6 +664,12 @@ class Engine:
     def held_blocks(self) -> list[bytes]:
         """Every block index member the prompt cache holds now (a full index rewrite)."""
         return self.prompt_cache.store.index.held() if self.prompt_cache is not None else []
+
+    def held_first_blocks(self) -> set[bytes]:
+        """Those of held_blocks() that are a prompt's first block."""
+        if self.prompt_cache is None:
+            return set()
+        return self.prompt_cache.store.index.held_firsts()
 
     def gauges(self) -> dict[str, Any]:
         g: dict[str, Any] = {}

@@ -66,6 +66,8 @@ class StepResult:
     prefill_pending: bool = False  # admit: something admitted still has its prefill ahead
     # block index member -> held (True) or dropped (False) by the prompt cache in this call
     index: dict[bytes, bool] = field(default_factory=dict)
+    # the members of `index` that are a prompt's first block
+    index_firsts: set[bytes] = field(default_factory=set)
 
     def emit(self, request: Request, *events: StreamEvent) -> None:
         """Queue events for the request's stream, numbered in the order they are emitted."""
@@ -90,4 +92,5 @@ class StepResult:
             self.last_reject = other.last_reject
         self.prefill_pending = self.prefill_pending or other.prefill_pending
         self.index.update(other.index)  # the later change wins
+        self.index_firsts |= other.index_firsts  # a member's place in its chain never changes
         return self

@@ -123,7 +123,7 @@ class Shelf:
             n = self._hash_refs.get(h, 0)
             self._hash_refs[h] = n + 1
             if n == 0 and self.index is not None:
-                self.index.add(h)
+                self.index.add(h, first=h == chain[0])
         self._bytes += entry.nbytes
         if entry.checkpoint:
             self._checkpoints += 1
