@@ -111,7 +111,7 @@ for i = 1, #roster, 1000 do
   for j = i, math.min(i + 999, #roster) do names[#names + 1] = alive_key(roster[j]) end
   for _, e in ipairs(redis.call('MGET', unpack(names))) do epochs[#epochs + 1] = e end
 end
-local live = {}
+local live, plain = {}, '||||' .. model  -- a plain worker of the model: '<epoch>' .. plain
 for i = 1, #roster do
   local wid = roster[i]
   local epoch, listing = epochs[i], epochs[i] ~= false
@@ -122,7 +122,7 @@ for i = 1, #roster do
     -- '<epoch>|<mode>|<paged_block_size>|<checkpoint_tokens>|<model>', the mode and its
     -- setting only for a paged or snapshot cache: a plain one's model is one comparison.
     local fact, mode, page, every_tokens = facts[wid], '', '', ''
-    local of_model = fact == epoch .. '||||' .. model
+    local of_model = fact == epoch .. plain
     if not of_model then
       local seen, its_model
       if fact then
@@ -148,6 +148,7 @@ for i = 1, #roster do
       local w = {wid = wid, epoch = epoch, running = 0, queued = 0, cached = 0, unit = 1,
                  every = 0, listing = listing}
       if loads[wid] then w.running, w.queued = pair(loads[wid]) end
+      w.load = w.queued + decode_weight * w.running  -- the load score (cost: prompt left + it)
       -- A paged cache adopts whole pages: what it can reuse is floored to its page size.
       if mode == 'paged' then w.unit = math.max(tonumber(page) or 1, 1) end
       -- A snapshot cache resumes only where it kept a checkpoint: its index holds just those
@@ -281,8 +282,6 @@ local function cached_tokens(w)
   return tokens
 end
 
-local function load_of(w) return w.queued + decode_weight * w.running end
-
 -- What the holders set showed: an entry whose worker lacks the block goes, and a set that named
 -- a holder lives on (a worker holding a block long unchanged relisted by the prompts it serves).
 local function tidy_holders()
@@ -298,7 +297,7 @@ if #open > 0 then
     chosen.cached = cached_tokens(chosen)
   elseif policy == 'least_loaded' then
     for _, w in ipairs(open) do
-      if chosen == nil or load_of(w) < load_of(chosen) then chosen = w end
+      if chosen == nil or w.load < chosen.load then chosen = w end
     end
     outcome = 'load'
     chosen.cached = cached_tokens(chosen)
@@ -309,9 +308,9 @@ if #open > 0 then
       if w.cached > 0 and (best == nil or w.cached > best.cached) then best = w end
     end
     for _, w in ipairs(open) do
-      w.cost = prompt - w.cached + load_of(w)
+      w.cost = prompt - w.cached + w.load
       if chosen == nil or w.cost < chosen.cost then chosen = w end
-      if lightest == nil or load_of(w) < load_of(lightest) then lightest = w end
+      if lightest == nil or w.load < lightest.load then lightest = w end
       if hi == nil or w.running > hi then hi = w.running end
       if lo == nil or w.running < lo then lo = w.running end
     end
@@ -322,7 +321,7 @@ if #open > 0 then
     elseif chosen == best then outcome = 'cache'
     else outcome = 'spill' end
   end
-  cost = prompt - chosen.cached + load_of(chosen)
+  cost = prompt - chosen.cached + chosen.load
   tidy_holders()
 end
 
