@@ -234,8 +234,8 @@ end
 -- one or the other), as tokens. Most workers hold no block of a given prompt: the first block
 -- alone rules them out (the holders set read once, or one O(1) call a worker that lists itself
 -- nowhere), so a decision's cost beyond that grows with the workers that match, not with every
--- live one. A worker the first block was sent to has its marks read
--- first: a run of them ends where that earlier prompt and this one part.
+-- live one. A worker the first block was sent to has its marks read first: a run of them ends
+-- where that earlier prompt and this one part.
 local function cached_tokens(w)
   if #members == 0 then return 0 end
   if w.snapshot then return resumable_tokens(w) end

@@ -313,9 +313,8 @@ def _write_index(pipe: Any, blocks: str, writes: StepWrites, worker_id: str) -> 
         pipe.sadd(blocks, *added)
     if gone:
         pipe.srem(blocks, *gone)
-    listed = set(writes.index_full or ()) | set(added)
     for m in firsts:
-        if m in listed:
+        if writes.index.get(m, True):  # added now, or held when the index is written whole
             holders = keys.routing_holders(m.hex())
             pipe.sadd(holders, worker_id)
             pipe.expire(holders, keys.HOLDERS_TTL_S)
