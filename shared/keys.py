@@ -102,6 +102,12 @@ def rq_queue_key(queue_name: str) -> str:
     return RQ_QUEUE_PREFIX + queue_name
 
 
+def rq_intermediate_key(queue_name: str) -> str:
+    """rq's list of a queue's jobs taken but not yet started (rq's dequeue of one queue moves a
+    job there: what `rq.Queue(name).intermediate_queue_key` is)."""
+    return f"{RQ_QUEUE_PREFIX}{queue_name}:intermediate"
+
+
 def rq_worker_name(worker_id: str) -> str:
     """The name the worker registers under in rq (`rq info`, rq-dashboard)."""
     return f"{_RQ_WORKER_PREFIX}{worker_id}"

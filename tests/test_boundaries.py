@@ -67,4 +67,6 @@ def test_the_rq_keys_we_name_are_rqs_own() -> None:
 
     assert Queue.redis_queue_namespace_prefix == keys.RQ_QUEUE_PREFIX
     unconnected = redis.Redis()  # rq builds the key without a round trip
-    assert keys.rq_queue_key("mlxcel:w:w1") == Queue("mlxcel:w:w1", connection=unconnected).key
+    queue = Queue("mlxcel:w:w1", connection=unconnected)
+    assert keys.rq_queue_key("mlxcel:w:w1") == queue.key
+    assert keys.rq_intermediate_key("mlxcel:w:w1") == queue.intermediate_queue_key

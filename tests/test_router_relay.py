@@ -470,6 +470,50 @@ def test_a_request_whose_worker_died_before_any_token_runs_again_elsewhere(
     assert resp.json()["choices"][0]["text"] == "fine"
 
 
+def test_a_job_whose_take_was_lost_before_its_start_runs_again(
+    router_url: str, r: redis.Redis, pool: ThreadPoolExecutor, model_id: str
+) -> None:
+    """A failover lost a worker's take between its pop and its start: rq still says queued,
+    no queue holds the job and no worker runs it. Two job checks in a row find it so, and the
+    request runs again under a new job id, the stranded one fenced."""
+    fut = pool.submit(post, router_url, "/v1/completions", {"model": model_id, "prompt": "x"})
+    job, req = take_job(r)
+    r.lrem(Queue(SHARED_QUEUE, connection=r).key, 0, job.id)  # popped; the start never landed
+    assert job.get_status(refresh=True) == JobStatus.QUEUED
+    _, req2 = take_job(r, timeout=REQUEST_TIMEOUT_S)  # before the request's own timeout
+    assert req2.request_id == f"{req.request_id}-1"
+    assert r.get(keys.request_cancel(req.request_id)) == b"1"
+    play(
+        r,
+        req2,
+        StreamEvent(kind="start", worker_id="w2"),
+        StreamEvent(kind="delta", text="again", token_ids=[1]),
+        StreamEvent(kind="done", finish_reason="length", completion_tokens=1),
+    )
+    resp = fut.result(15)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == "again"
+
+
+def test_a_job_on_its_queues_taken_list_is_a_take_in_progress_not_a_lost_one(
+    router_url: str, r: redis.Redis, pool: ThreadPoolExecutor, model_id: str
+) -> None:
+    """rq's dequeue of one queue moves the job to the queue's taken list before its start: the
+    worker holds it (or, restarted under its id, fails it as lost), so the router waits."""
+    fut = pool.submit(post, router_url, "/v1/completions", {"model": model_id, "prompt": "x"})
+    job, req = take_job(r)
+    queue = Queue(SHARED_QUEUE, connection=r)
+    assert r.lmove(queue.key, queue.intermediate_queue_key, "LEFT", "RIGHT") == job.id.encode()
+    time.sleep(3.0)  # three job checks
+    assert queue.count == 0 and r.get(keys.request_cancel(req.request_id)) is None
+    r.lrem(queue.intermediate_queue_key, 0, job.id)
+    job.set_status(JobStatus.STARTED)
+    play(r, req, *happy_events(len(req.prompt_tokens)))
+    resp = fut.result(15)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == "Hello"
+
+
 def test_a_request_whose_worker_died_after_tokens_ends_with_an_error(
     router_url: str, r: redis.Redis, pool: ThreadPoolExecutor, model_id: str
 ) -> None:

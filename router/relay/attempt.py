@@ -46,3 +46,6 @@ class JobState:
     failure_type: str = ErrorKind.JOB_FAILED
     lost: str | None = None  # its worker stopped beating
     finished: bool = False
+    # rq says queued, yet the job is on neither its queue nor that queue's taken list: a take
+    # whose start never landed (a Redis failover lost it mid-way), or one still in flight.
+    off_queue: bool = False

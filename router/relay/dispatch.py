@@ -43,6 +43,10 @@ log = logging.getLogger(__name__)
 # step or two more before it reads the flag (each of its writes sets the stream's TTL too).
 CANCELLED_STREAM_TTL_S = 60
 
+# How far a job check looks for a queued job in its queue and that queue's taken list: past this
+# many entries it cannot tell, and takes the job for on its queue.
+QUEUE_SCAN_MAX = 1024
+
 # A request's worker found lost (the reaper's verdict, shared.liveness.lost_verdict) costs it its
 # attempt: one more is made while no token has reached the client.
 MAX_ATTEMPTS = 2
@@ -266,6 +270,8 @@ class Dispatcher:
             if WORKER_LOST_MARK in text:  # a live worker reaped it: its worker died, not it
                 return JobState(lost=text)
             return JobState(failure=text)
+        if status == JobStatus.QUEUED:
+            return JobState(off_queue=self._off_queue(job))
         if status != JobStatus.STARTED:
             return JobState()
         # The worker that runs it: named by its start event, else by rq's record of the job.
@@ -276,6 +282,24 @@ class Dispatcher:
         if since is None:
             return JobState()
         return JobState(lost=f"worker {wid} stopped while running this request ({since})")
+
+    def _off_queue(self, job: Job) -> bool:
+        """Whether rq still says the job is queued while neither its queue nor that queue's
+        taken list holds it (read in one round trip, so a take and start between the reads
+        cannot make a started job look stranded)."""
+        queue, taken = keys.rq_queue_key(job.origin), keys.rq_intermediate_key(job.origin)
+        with self.sync_redis.pipeline(transaction=False) as pipe:
+            pipe.hget(job.key, "status")
+            pipe.llen(queue)
+            pipe.lpos(queue, job.id, maxlen=QUEUE_SCAN_MAX)
+            pipe.llen(taken)
+            pipe.lpos(taken, job.id, maxlen=QUEUE_SCAN_MAX)
+            status, queued, at, in_take, taken_at = pipe.execute()
+        if status is None or status.decode() != JobStatus.QUEUED.value:
+            return False
+        if at is not None or taken_at is not None:
+            return False
+        return queued <= QUEUE_SCAN_MAX and in_take <= QUEUE_SCAN_MAX
 
     async def cleanup(self, req_id: str, cancel: bool) -> None:
         """A request's end: its stream deleted once its worker wrote its last event, else the

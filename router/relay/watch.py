@@ -25,6 +25,11 @@ IDLE_CHECK_S = 1.0
 JOB_CHECK_INTERVAL_S = 1.0
 # While tokens flow, how often a request asks whether its client is still there.
 CLIENT_CHECK_S = 0.05
+# A worker holds a job off its queue, still `queued`, only between its take and its start (a
+# burst's gathering window, milliseconds): this many job checks in a row that find it so (each
+# JOB_CHECK_INTERVAL_S apart) mean the take was lost (a failover cut it short), and no worker
+# will run the job.
+STRANDED_CHECKS = 2
 
 JOB_FAILED = ErrorKind.JOB_FAILED
 
@@ -54,6 +59,7 @@ class Watch:
     last_event_at: float = field(default_factory=time.monotonic)
     next_job_check: float = 0.0
     next_client_check: float = 0.0
+    off_queue_checks: int = 0  # job checks in a row that found the job queued on no queue
 
     def __post_init__(self) -> None:
         self.next_job_check = self.last_event_at + JOB_CHECK_INTERVAL_S
@@ -150,4 +156,10 @@ class Watch:
             return None, False
         if state.lost is not None:
             return error_event(ErrorKind.WORKER_LOST, state.lost), True
+        self.off_queue_checks = self.off_queue_checks + 1 if state.off_queue else 0
+        if self.off_queue_checks >= STRANDED_CHECKS:
+            # The same answer as a lost worker: its attempt is fenced (cancel flag) and, while
+            # no token reached the client, the request runs again under a new job id.
+            stranded = "the job left its queue but never started (a Redis failover lost its take)"
+            return error_event(ErrorKind.WORKER_LOST, stranded), True
         return None, False

@@ -23,7 +23,6 @@ import redis
 from rq import Queue
 from rq.exceptions import DequeueTimeout, DeserializationError
 from rq.executions import Execution
-from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job, JobStatus
 from rq.registry import CanceledJobRegistry, FailedJobRegistry, clean_registries
 from rq.results import Result
@@ -152,8 +151,7 @@ def append_events(
 def _queue_keys(job: Job) -> tuple[str, str]:
     """The job's queue's key and that queue's intermediate list (rq's dequeue of one queue moves
     a job there), from the queue it was enqueued on."""
-    origin = Queue.redis_queue_namespace_prefix + job.origin
-    return origin, IntermediateQueue.get_intermediate_queue_key(origin)
+    return keys.rq_queue_key(job.origin), keys.rq_intermediate_key(job.origin)
 
 
 def own_queues(connection: redis.Redis, worker_id: str, model_id: str) -> list[Queue]:
