@@ -32,6 +32,7 @@ from router.placement.ledger import AdmissionLedger
 from router.placement.place import Placer
 from router.pool_view.cache_stats import register_pool_script
 from router.pool_view.model_catalog import ModelCatalog
+from router.redis_batch import RedisBatch
 from router.relay.dispatch import Dispatcher, build_queue
 from router.relay.stream_hub import StreamHub
 from router.routes import (
@@ -123,10 +124,11 @@ async def _build_state(settings: Settings) -> RouterState:
         shown = masked_url(settings.redis.url)  # the error is logged: never the password
         raise RuntimeError(f"cannot reach Redis at {shown}: {exc}") from exc
     queue = build_queue(sync_redis, model_id)
-    hub = StreamHub(settings.redis)
+    batch = RedisBatch(aredis)
+    hub = StreamHub(settings.redis, batch)
     await hub.start()
     ledger = AdmissionLedger(
-        settings.admission, settings.routing, settings.prompt_cache, sync_redis, aredis
+        settings.admission, settings.routing, settings.prompt_cache, sync_redis, aredis, batch
     )
     await ledger.start()
     dispatcher = Dispatcher(
@@ -136,6 +138,7 @@ async def _build_state(settings: Settings) -> RouterState:
         job_timeout_s=settings.worker.job_timeout_s,
         request_timeout_s=settings.router.request_timeout_s,
         ledger=ledger,
+        batch=batch,
     )
     admission = AdmissionContext(
         model_id,
@@ -183,6 +186,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await state.catalog.stop()
         await state.dispatcher.ledger.stop()
         await state.dispatcher.hub.stop()
+        await state.dispatcher.batch.stop()
         await state.aredis.aclose()
         state.dispatcher.sync_redis.close()
 

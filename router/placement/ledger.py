@@ -25,6 +25,7 @@ from router.cancellation import stop_if_cancelled
 from router.edge.busy_gate import BusyGate
 from router.placement.place_call import PlaceArgs, Placement, Refusal, parse_reply
 from router.placement.routing_metrics import observe_start
+from router.redis_batch import RedisBatch
 from shared import keys
 from shared.config import AdmissionConfig, PromptCacheConfig, RoutingConfig
 from shared.liveness import min_alive_pttl_ms
@@ -138,6 +139,7 @@ class AdmissionLedger:
         prompt_cache: PromptCacheConfig,
         sync_redis: redis.Redis,
         aredis: aioredis.Redis,
+        batch: RedisBatch | None = None,
     ) -> None:
         self.config = config
         self.routing = routing
@@ -150,6 +152,10 @@ class AdmissionLedger:
         self._release_async = aredis.register_script(RELEASE_LUA)
         self._release_sync = sync_redis.register_script(RELEASE_LUA)
         self.aredis = aredis
+        # The start and release scripts go through the process's command batch (one of its own
+        # when none is given: it stops with this ledger).
+        self._own_batch = batch is None
+        self.batch = batch if batch is not None else RedisBatch(aredis)
         self._ttl_ms = int(config.reservation_ttl_s * 1000)
         # this process's reservations: original request id -> the worker it is placed on ("")
         self._held: dict[str, str] = {}
@@ -228,7 +234,8 @@ class AdmissionLedger:
         self._held[request_id] = worker_id
         observe_start(worker_id, cached_tokens)
         try:
-            await self._started(
+            await self.batch.script(
+                self._started,
                 keys=[
                     keys.admission_queued_tokens(),
                     keys.worker_prefill(placed) if placed else "",
@@ -246,7 +253,7 @@ class AdmissionLedger:
 
     async def release(self, request_id: str) -> None:
         try:
-            await self._release_async(**self._release_call(request_id))
+            await self.batch.script(self._release_async, **self._release_call(request_id))
         except redis.RedisError:  # it lapses on its own within reservation_ttl_s
             log.warning("could not release the reservation of %s", request_id, exc_info=True)
         self.gate.open()  # after the release: a refusal decided before it is stale
@@ -288,6 +295,8 @@ class AdmissionLedger:
             self._task.cancel()
             with suppress(asyncio.CancelledError):
                 await self._task
+        if self._own_batch:
+            await self.batch.stop()
 
     async def _keep_alive(self) -> None:
         while True:

@@ -23,6 +23,7 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 
 from router.placement.ledger import AdmissionLedger
+from router.redis_batch import RedisBatch
 from router.relay.attempt import Attempt, JobState
 from router.relay.stream_hub import StreamHub
 from router.relay.watch import Disconnected, Watch
@@ -62,6 +63,7 @@ class Dispatcher:
     job_timeout_s: int
     request_timeout_s: float
     ledger: AdmissionLedger
+    batch: RedisBatch  # the event loop's small writes (router.redis_batch)
     _queues: dict[str, Queue] = dataclasses.field(default_factory=dict)
     _ending: set[asyncio.Future[None]] = dataclasses.field(default_factory=set)  # held to the end
 
@@ -198,8 +200,11 @@ class Dispatcher:
             await asyncio.shield(end)
 
     async def _end(self, attempt: Attempt, request_id: str) -> None:
-        await self.cleanup(attempt.job_id, cancel=not attempt.finished)
-        await self.ledger.release(request_id)
+        # Side by side: both go out in one write of the command batch.
+        await asyncio.gather(
+            self.cleanup(attempt.job_id, cancel=not attempt.finished),
+            self.ledger.release(request_id),
+        )
 
     async def _requeue(self, lost: Attempt) -> Attempt:
         """The next attempt, under a new job id (the lost worker's job keeps its own), on the
@@ -307,12 +312,12 @@ class Dispatcher:
         stream = keys.request_stream(req_id)
         try:
             if not cancel:  # the worker wrote its last event: nothing will recreate the key
-                await self.aredis.delete(stream)
+                await self.batch.call("DEL", stream)
                 return
-            async with self.aredis.pipeline(transaction=False) as pipe:
-                pipe.set(keys.request_cancel(req_id), "1", ex=keys.REQUEST_TTL_S)
-                pipe.expire(stream, CANCELLED_STREAM_TTL_S)
-                await pipe.execute()
+            await asyncio.gather(
+                self.batch.call("SET", keys.request_cancel(req_id), "1", "EX", keys.REQUEST_TTL_S),
+                self.batch.call("EXPIRE", stream, CANCELLED_STREAM_TTL_S),
+            )
         except redis.RedisError:
             log.warning("could not clean up request %s", req_id, exc_info=True)
 

@@ -26,6 +26,7 @@ from typing import Any
 import redis
 
 from router.cancellation import stop_if_cancelled
+from router.redis_batch import RedisBatch
 from shared import keys
 from shared.config import RedisConfig
 from shared.redis_clients import async_client
@@ -135,11 +136,14 @@ class _Subscription:
 
 
 class StreamHub:
-    def __init__(self, config: RedisConfig) -> None:
+    def __init__(self, config: RedisConfig, batch: RedisBatch | None = None) -> None:
         # The blocking read has a client of its own (its block is far below the client's stall
-        # bound, so it never times out early); wake-ups go through another.
+        # bound, so it never times out early); wake-ups go through another, in the process's
+        # command batch (one of its own when none is given: it stops with the hub).
         self._reader = async_client(config)
         self._writer = async_client(config)
+        self._own_batch = batch is None
+        self._batch = batch if batch is not None else RedisBatch(self._writer)
         self._wake_key = keys.router_wake(uuid.uuid4().hex)
         self._wake_bkey = self._wake_key.encode()
         self._wake_arg = _bulk(self._wake_bkey)
@@ -165,6 +169,8 @@ class StreamHub:
                 task.cancel()
                 with suppress(asyncio.CancelledError):
                     await task
+        if self._own_batch:
+            await self._batch.stop()
         with suppress(redis.RedisError):
             await self._writer.delete(self._wake_key)
         await self._reader.aclose()
@@ -179,7 +185,7 @@ class StreamHub:
         if self._reading and not self._wake_sent:
             # The read in flight was sent before this stream was known: bring it back.
             self._wake_sent = True
-            await self._wake(keys=[self._wake_key], args=[keys.REQUEST_TTL_S])
+            await self._batch.script(self._wake, keys=[self._wake_key], args=[keys.REQUEST_TTL_S])
         return sub.feed
 
     def unsubscribe(self, stream: str) -> None:
