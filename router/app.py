@@ -140,6 +140,10 @@ async def _build_state(settings: Settings) -> RouterState:
         ledger=ledger,
         batch=batch,
     )
+    try:
+        await anyio.to_thread.run_sync(dispatcher.warm_rq)
+    except redis.RedisError as exc:  # the first enqueue reads it (once, on the event loop)
+        log.warning("could not read the Redis server's version for rq: %s", exc)
     admission = AdmissionContext(
         model_id,
         tokenizer,
@@ -160,7 +164,7 @@ async def _build_state(settings: Settings) -> RouterState:
         queue_key=queue.key,
         model_created=created,
         hasher=hasher,
-        placer=Placer(ledger, sync_redis, hasher, model_id, settings.admission.retry_after_s),
+        placer=Placer(ledger, hasher, model_id, settings.admission.retry_after_s),
     )
 
 

@@ -7,9 +7,10 @@ command) cost many times the command. Here every command asked for while the pre
 on its way goes out in the next write, as one pipeline; the replies are read back in order and
 each caller's await gets its own, or its own error.
 
-A command is sent once, never retried: a lost connection fails every command of that write with
-the ConnectionError (Redis may have applied them), as redis-py's client does for a command it
-must not retry. A script Redis does not know (NOSCRIPT: it did not run) is sent again whole.
+A command Redis may have read is never sent again: a connection lost while its replies are
+read fails every command of that write with the ConnectionError (Redis may have applied them).
+A write that could not be sent at all (no connection, Redis restarting) is tried again on a new
+one, and a script Redis does not know (NOSCRIPT: it did not run) is sent again as EVAL.
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ from router.cancellation import stop_if_cancelled
 log = logging.getLogger(__name__)
 
 Arg = str | bytes | int | float
+
+# A write that could not be sent (no connection: Redis restarting) is tried again this many
+# times in all, after 10, 20, 40 ms: the commands never reached Redis, so nothing runs twice.
+SEND_TRIES = 4
+SEND_BACKOFF_S = 0.01
 
 
 @dataclass(slots=True)
@@ -81,6 +87,23 @@ class RedisBatch:
         )
         return self._add(call)
 
+    async def transaction(self, commands: Sequence[Sequence[Arg]]) -> Any:
+        """The commands between MULTI and EXEC, side by side in one write; EXEC's reply, or the
+        first error (a command Redis refused, EXECABORT, a lost connection)."""
+        replies = await asyncio.gather(
+            self.call("MULTI"),
+            *[self.call(*command) for command in commands],
+            self.call("EXEC"),
+            return_exceptions=True,
+        )
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                raise reply
+        for reply in replies[-1] or ():  # a command that failed when EXEC ran it
+            if isinstance(reply, BaseException):
+                raise reply
+        return replies[-1]
+
     def _add(self, call: _Call) -> asyncio.Future[Any]:
         if self._stopped:
             call.reply.set_exception(redis.ConnectionError("the router is stopping"))
@@ -110,16 +133,24 @@ class RedisBatch:
     async def _send(self, calls: list[_Call]) -> list[_Call]:
         """One write of every call, and their replies; the NOSCRIPT ones, as EVALs, returned."""
         again: list[_Call] = []
-        try:
-            if self._conn is None:
-                self._conn = await self._pool.get_connection()
-            conn = self._conn
-            await conn.send_packed_command(
-                conn.pack_commands([c.args for c in calls]), check_health=False
-            )
-        except (redis.RedisError, OSError) as exc:
-            await self._fail(calls, exc)
-            return again
+        packed: list[bytes] | None = None
+        for attempt in range(SEND_TRIES):
+            try:
+                conn = await self._connection()
+                if packed is None:
+                    packed = conn.pack_commands([c.args for c in calls])
+                await conn.send_packed_command(packed, check_health=False)
+                break
+            except (redis.ConnectionError, OSError) as exc:
+                # Not sent (no connection, or Redis had closed this one): sent on a new one.
+                await self._drop()
+                if attempt + 1 == SEND_TRIES:
+                    await self._fail(calls, exc)
+                    return again
+                await asyncio.sleep(SEND_BACKOFF_S * 2**attempt)
+            except redis.RedisError as exc:
+                await self._fail(calls, exc)
+                return again
         for i, call in enumerate(calls):
             try:
                 reply = await conn.read_response(disable_decoding=True)
@@ -140,6 +171,22 @@ class RedisBatch:
             if not call.reply.done():  # its caller may have stopped waiting
                 call.reply.set_result(reply)
         return again
+
+    async def _connection(self) -> Any:
+        """The held connection, or a new one from the pool when there is none or Redis closed
+        it meanwhile (a restart: its end of the socket reads as EOF before any send)."""
+        conn = self._conn
+        if conn is not None:
+            try:
+                stale = await conn.can_read()
+            except (redis.RedisError, OSError):
+                stale = True
+            if stale:
+                await self._drop()
+                conn = None
+        if conn is None:
+            conn = self._conn = await self._pool.get_connection()
+        return conn
 
     async def _fail(self, calls: list[_Call], exc: BaseException) -> None:
         log.warning("redis batch: %d command(s) failed: %s", len(calls), exc)

@@ -87,6 +87,22 @@ def test_a_lost_connection_fails_what_it_carried_and_the_next_write_reconnects(
     assert pong == b"PONG"
 
 
+def test_a_connection_redis_closed_while_idle_is_replaced_before_the_next_write(
+    redis_url: str, redis_server: EmbeddedRedis
+) -> None:
+    """A restart or a kill between writes: the next write finds the socket closed and goes out
+    on a new connection instead of failing."""
+    admin = redis.Redis.from_url(redis_server.admin_url)
+
+    async def body(batch: RedisBatch, _: Any) -> list[Any]:
+        first = await batch.call("INCR", "n")
+        admin.client_kill_filter(_type="normal", skipme=True)
+        await asyncio.sleep(0.1)
+        return [first, await batch.call("INCR", "n")]
+
+    assert _run(redis_url, body) == [1, 2]
+
+
 def test_a_stopped_batch_fails_waiting_and_later_commands_at_once(redis_url: str) -> None:
     async def body(batch: RedisBatch, _: Any) -> list[Any]:
         blocked = batch.call("BLPOP", "nothing", 30)

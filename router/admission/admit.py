@@ -83,6 +83,9 @@ class Admission:
     message: str = ""
     param: str | None = None
     retry_after_s: int | None = None
+    # Each prompt's block index members, one list a run of choices sharing it (the router's
+    # placement: router.relay.submit), hashed with the admission, off the event loop.
+    members: list[list[bytes]] = field(default_factory=list)
 
     def error(self) -> APIError:
         headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s else None

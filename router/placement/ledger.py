@@ -173,15 +173,37 @@ class AdmissionLedger:
         members: list[bytes],
         siblings: Sequence[str] = (),
     ) -> Placement | Refusal:
-        """Admit and place the request (blocking: call it off the event loop): a Placement, or
-        a Refusal when the pool is at a bound. `members` are the prompt's block index members
-        (shared.block_hash.index_members), in order. `siblings`: the request ids of the other
-        choices of its prompt, admitted and placed with it on the same worker (each holds its
-        own reservation, released by its own id), or refused with it."""
+        """Admit and place the request, blocking (a thread's, or a benchmark's): what
+        reserve_async does, on the sync client."""
+        call = self._place_call(request_id, prompt_tokens, model_id, siblings)
+        opened = self.gate.opened  # a release after this makes this refusal stale
+        reply = self._place(keys=PLACE_KEYS, args=call.argv(members))
+        return self._placed(call, members, parse_reply(reply), opened)
+
+    async def reserve_async(
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        model_id: str,
+        members: list[bytes],
+        siblings: Sequence[str] = (),
+    ) -> Placement | Refusal:
+        """Admit and place the request: a Placement, or a Refusal when the pool is at a bound.
+        `members` are the prompt's block index members (shared.block_hash.index_members), in
+        order. `siblings`: the request ids of the other choices of its prompt, admitted and
+        placed with it on the same worker (each holds its own reservation, released by its own
+        id), or refused with it. The script goes out in the process's command batch."""
+        call = self._place_call(request_id, prompt_tokens, model_id, siblings)
+        opened = self.gate.opened
+        reply = await self.batch.script(self._place, PLACE_KEYS, call.argv(members))
+        return self._placed(call, members, parse_reply(reply), opened)
+
+    def _place_call(
+        self, request_id: str, prompt_tokens: int, model_id: str, siblings: Sequence[str]
+    ) -> PlaceArgs:
         c, r = self.config, self.routing
         t = keys.WORKER_KEY_TEMPLATES
-        opened = self.gate.opened  # a release after this makes this refusal stale
-        call = PlaceArgs(
+        return PlaceArgs(
             request_id=request_id,
             ttl_ms=self._ttl_ms,
             prompt_tokens=prompt_tokens,
@@ -209,19 +231,24 @@ class AdmissionLedger:
             skiplist_pin=keys.ROUTED_PIN,
             siblings=list(siblings),
         )
-        reply = parse_reply(self._place(keys=PLACE_KEYS, args=call.argv(members)))
+
+    def _placed(
+        self, call: PlaceArgs, members: list[bytes], reply: Placement | Refusal, opened: int
+    ) -> Placement | Refusal:
+        """The script's answer taken in: a reservation held (and its marks), or the busy gate
+        closed by a refusal at a bound of requests in flight."""
         if isinstance(reply, Refusal):
             pool_wide = reply.scope == "pool"
             # Too many choices for the places left is no sign of a full pool: a lone request
             # would still fit, so the door stays open.
             too_many = pool_wide and reply.current + 1 <= reply.bound
             if reply.reason == "inflight" and not too_many:
-                self.gate.close(model_id, reply.message(), pool_wide, opened)
+                self.gate.close(call.model, reply.message(), pool_wide, opened)
             return reply
-        for rid in (request_id, *siblings):
+        for rid in (call.request_id, *call.siblings):
             self._held[rid] = reply.worker_id
         if reply.mark_score:
-            self._marks[request_id] = (reply.worker_id, reply.mark_score, members)
+            self._marks[call.request_id] = (reply.worker_id, reply.mark_score, members)
         return reply
 
     async def started(self, request_id: str, worker_id: str, cached_tokens: int) -> None:
@@ -259,7 +286,8 @@ class AdmissionLedger:
         self.gate.open()  # after the release: a refusal decided before it is stale
 
     def release_sync(self, request_id: str, client: redis.Redis) -> None:
-        """Release from a worker thread (an enqueue that failed after its reservation)."""
+        """Release, blocking: reserve()'s counterpart, for a caller off the event loop (a
+        tool, a benchmark, another process's ledger)."""
         with suppress(redis.RedisError):
             self._release_sync(**self._release_call(request_id), client=client)
         self.gate.open()

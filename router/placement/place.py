@@ -7,8 +7,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import redis
-
 from router.admission.admit import Admission, Outcome
 from router.metrics import ADMISSION_REFUSED
 from router.placement.ledger import AdmissionLedger
@@ -25,19 +23,23 @@ class Placer:
     """The ledger's reservation for one prompt and its sibling choices; refusals as Admission."""
 
     ledger: AdmissionLedger
-    sync_redis: redis.Redis
     hasher: BlockHasher
     own_model: str  # the router's own model: the only one that may wait in the shared queue
     retry_after_s: float
 
-    def place(
-        self, req: GenerationRequest, siblings: list[GenerationRequest]
-    ) -> Placement | Admission:
-        """`siblings` (the other choices of req's prompt) go where it goes."""
+    def members(self, req: GenerationRequest) -> list[bytes]:
+        """The prompt's block index members, hashed as the worker's cache hashes them (CPU:
+        with the admission, off the event loop for a long prompt)."""
         ns = CacheNamespace(req.model, req.adapter_id, req.template_signature)
-        members = index_members(self.hasher.chain(req.prompt_tokens, ns.seed()))
+        return index_members(self.hasher.chain(req.prompt_tokens, ns.seed()))
+
+    async def place(
+        self, req: GenerationRequest, siblings: list[GenerationRequest], members: list[bytes]
+    ) -> Placement | Admission:
+        """`siblings` (the other choices of req's prompt) go where it goes; `members`: what
+        members(req) made."""
         sibling_ids = [s.request_id for s in siblings]
-        placed = self.ledger.reserve(
+        placed = await self.ledger.reserve_async(
             req.request_id, len(req.prompt_tokens), req.model, members, sibling_ids
         )
         if isinstance(placed, Refusal):
@@ -48,7 +50,7 @@ class Placer:
         if not placed.worker_id and req.model != self.own_model:
             # Another model's workers all went away since the catalog saw them.
             for rid in (req.request_id, *sibling_ids):
-                self.release(rid)
+                await self.ledger.release(rid)
             return Admission(
                 Outcome.NO_WORKER,
                 retry_after_s=self.retry_after_s,
@@ -67,6 +69,3 @@ class Placer:
             1 + len(siblings),
         )
         return placed
-
-    def release(self, request_id: str) -> None:
-        self.ledger.release_sync(request_id, self.sync_redis)

@@ -155,6 +155,13 @@ class ModelCatalog:
                 self._accept(model_id)
         return self._others[model_id]
 
+    def ready(self, model_id: str) -> bool:
+        """Whether get() and embedding_model() answer for `model_id` without a read for a while
+        yet: its context loaded, the roster's view fresh (with half its life to spare)."""
+        if model_id != self.primary.model_id and model_id not in self._others:
+            return False
+        return time.monotonic() - self._live_at < LIVE_CACHE_S / 2
+
     def embedding_model(self, model_id: str) -> LiveModel | None:
         """The live embedding model of this id, else None (a generation model, or none live).
         Its workers say so, even for the router's own model."""

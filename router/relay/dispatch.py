@@ -18,9 +18,11 @@ from dataclasses import dataclass
 import anyio
 import redis
 import redis.asyncio as aioredis
+from redis.client import Pipeline
 from rq import Queue
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
+from rq.utils import get_version
 
 from router.placement.ledger import AdmissionLedger
 from router.redis_batch import RedisBatch
@@ -78,47 +80,65 @@ class Dispatcher:
             )
         return q
 
-    def enqueue(self, req: GenerationRequest, worker_id: str = "") -> None:
-        """Put the job on the worker's queue, or the shared one (blocking: call it off the
-        event loop)."""
-        self.enqueue_job(
+    async def enqueue(self, req: GenerationRequest, worker_id: str = "") -> None:
+        """Put the job on the worker's queue, or the shared one: rq's enqueue, written into a
+        pipeline that never runs (rq does no I/O for a job without dependencies once it has
+        read the server's version: warm_rq), its commands sent as one MULTI/EXEC in the
+        command batch, so the job hash, its TTLs and the queue push land together or not at
+        all."""
+        pipe = self._job_pipeline(
             self.queue_for(worker_id, req.model),
             JOB_FUNC,
             {"request": req.to_wire()},
             req.request_id,
             describe(req, worker_id),
         )
+        commands = [args for args, _ in pipe.command_stack]
+        pipe.reset()
+        await self.batch.transaction(commands)
 
     def enqueue_job(
         self, queue: Queue, func: str, kwargs: dict[str, object], job_id: str, description: str
     ) -> None:
-        """Any of the pool's jobs (a generation, an embedding), blocking. rq's enqueue in one
-        transaction (one round trip instead of rq's own two or three): the job hash, its TTLs
-        and the queue push land together or not at all."""
-        with self.sync_redis.pipeline() as pipe:
-            queue.enqueue_call(
-                func=func,
-                kwargs=kwargs,
-                job_id=job_id,
-                timeout=self.job_timeout_s,
-                result_ttl=keys.JOB_RESULT_TTL_S,
-                failure_ttl=keys.JOB_FAILURE_TTL_S,
-                ttl=keys.JOB_QUEUED_TTL_S,
-                description=description,
-                pipeline=pipe,
-            )
+        """Any of the pool's jobs (a generation, an embedding), blocking (off the event loop):
+        rq's enqueue in one transaction (one round trip instead of rq's own two or three)."""
+        with self._job_pipeline(queue, func, kwargs, job_id, description) as pipe:
             pipe.execute()
 
-    def cancel_sync(self, request_ids: list[str]) -> None:
-        """Ask the workers to drop these requests (blocking; best effort: a job whose cancel is
-        lost runs to its end and its stream expires)."""
+    def _job_pipeline(
+        self, queue: Queue, func: str, kwargs: dict[str, object], job_id: str, description: str
+    ) -> Pipeline:
+        pipe = self.sync_redis.pipeline()
+        queue.enqueue_call(
+            func=func,
+            kwargs=kwargs,
+            job_id=job_id,
+            timeout=self.job_timeout_s,
+            result_ttl=keys.JOB_RESULT_TTL_S,
+            failure_ttl=keys.JOB_FAILURE_TTL_S,
+            ttl=keys.JOB_QUEUED_TTL_S,
+            description=description,
+            pipeline=pipe,
+        )
+        return pipe
+
+    def warm_rq(self) -> None:
+        """Blocking, once at startup: rq reads the server's version (INFO) at a queue's first
+        enqueue and keeps it on the client; read here, the event loop's enqueues do no I/O."""
+        get_version(self.sync_redis)
+
+    async def cancel(self, request_ids: list[str]) -> None:
+        """Ask the workers to drop these requests (best effort: a job whose cancel is lost runs
+        to its end and its stream expires)."""
         if not request_ids:
             return
         try:
-            with self.sync_redis.pipeline(transaction=False) as pipe:
-                for req_id in request_ids:
-                    pipe.set(keys.request_cancel(req_id), "1", ex=keys.REQUEST_TTL_S)
-                pipe.execute()
+            await asyncio.gather(
+                *[
+                    self.batch.call("SET", keys.request_cancel(rid), "1", "EX", keys.REQUEST_TTL_S)
+                    for rid in request_ids
+                ]
+            )
         except redis.RedisError:
             log.warning("could not cancel %d enqueued choice(s)", len(request_ids), exc_info=True)
 
@@ -212,7 +232,7 @@ class Dispatcher:
         job gets its cancel flag, so a worker that was only slow drops it instead of racing."""
         await self.cleanup(lost.job_id, cancel=True)
         again = dataclasses.replace(lost.gen, request_id=f"{lost.gen.request_id}-{lost.number}")
-        await anyio.to_thread.run_sync(self.enqueue, again)
+        await self.enqueue(again)
         return Attempt(again, number=lost.number + 1)
 
     async def _read(

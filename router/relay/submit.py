@@ -3,12 +3,14 @@ enqueue, in one trip to a worker thread."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import TypeVar
 
 import anyio
 
 from router.admission.admit import Admission, AdmissionContext, Outcome, admit_chat, quoted
+from router.admission.inline import admits_inline
 from router.admission.tokenization import TokenizerLoadError
 from router.edge.busy_gate import busy_error
 from router.edge.openai_types import ChatCompletionRequest
@@ -27,11 +29,13 @@ B = TypeVar("B")  # a request body
 async def admit_and_submit(
     admit: Callable[[B, AdmissionContext], Admission], body: B, state: RouterState
 ) -> RoutedRequest:
-    """One trip to a worker thread: a burst of requests reaches the workers sooner than with a
-    thread hop for each. Every choice's request is in `gens` (one unless `n` or a prompt list
-    asks for more); a refusal raises its API error."""
+    """The admission's CPU work (validation, tokenization, each prompt's block hashes) in one
+    trip to a worker thread (a short plain request's in line: router.admission.inline); then,
+    on the event loop, the placement of every choice and its enqueue, each a command of the
+    process's batch (a burst's go out in one write). Every choice's request is in `gens` (one
+    unless `n` or a prompt list asks for more); a refusal raises its API error."""
 
-    def run() -> Admission | RoutedRequest:
+    def run() -> Admission:
         model = getattr(body, "model", None) or state.model_id
         if state.catalog.embedding_model(model) is not None:
             message = f"The model {quoted(model)} is an embedding model: use POST /v1/embeddings."
@@ -50,21 +54,30 @@ async def admit_and_submit(
         if req.logprobs is not None:
             token_table(ctx.tokenizer)  # built once per tokenizer, here, before the enqueue
         admission.requests = admission.requests or [req]
-        placed = _place_all(state, admission.requests)
-        if isinstance(placed, Admission):
-            return placed
-        _enqueue_all(state, admission.requests, placed)
-        return RoutedRequest(admission, placed)
+        admission.members = [state.placer.members(group[0]) for group in _groups(admission)]
+        return admission
 
     # A model at its own bound (the pool-wide one was checked at the door): no tokenizing.
     model = getattr(body, "model", None) or state.model_id
     shut = state.dispatcher.ledger.gate.refusal(model)
     if shut is not None:
         raise busy_error(shut, state.settings.admission.retry_after_s)
-    routed = await anyio.to_thread.run_sync(run)
-    if isinstance(routed, Admission):
-        raise routed.error()
-    return routed
+    # A short plain request on the event loop; any other, one whose model's context or the
+    # roster's view would have to be read first (I/O), or any with one tokenizer copy (a long
+    # prompt's thread may hold it), in a worker thread.
+    copies = state.settings.router.tokenizer_copies
+    inline = copies > 1 and admits_inline(body) and state.catalog.ready(model)
+    admission = run() if inline else await anyio.to_thread.run_sync(run)
+    if admission.outcome is not Outcome.ADMIT:
+        raise admission.error()
+    # Whole or not at all, as one step: a cancel waits for the enqueue (then the relay's own
+    # end, or the reservation's lease, lets it go).
+    with anyio.CancelScope(shield=True):
+        placed = await _place_all(state, admission)
+        if isinstance(placed, Admission):
+            raise placed.error()
+        await _enqueue_all(state, admission.requests, placed)
+    return RoutedRequest(admission, placed)
 
 
 async def submit_chat(body: ChatCompletionRequest, state: RouterState) -> RoutedRequest:
@@ -79,42 +92,50 @@ async def submit_chat(body: ChatCompletionRequest, state: RouterState) -> Routed
     return routed
 
 
-def _place_all(state: RouterState, gens: list[GenerationRequest]) -> list[Placement] | Admission:
+async def _place_all(state: RouterState, admission: Admission) -> list[Placement] | Admission:
     """Every choice reserved before any is enqueued: a request is admitted whole or not at all,
     so a 429 never leaves half its choices running. The choices of one prompt are reserved
     together, on one worker, which computes their prompt once."""
+    gens = admission.requests
     placed: list[Placement] = []
-    for group in _groups(gens):
-        where = state.placer.place(group[0], group[1:])
-        if isinstance(where, Admission):
-            for done in gens[: len(placed)]:
-                state.placer.release(done.request_id)
-            return where
-        placed += [where] * len(group)
+    try:
+        for group, members in zip(_groups(admission), admission.members, strict=True):
+            where = await state.placer.place(group[0], group[1:], members)
+            if isinstance(where, Admission):
+                await _release_all(state, gens[: len(placed)])
+                return where
+            placed += [where] * len(group)
+    except BaseException:  # Redis failed one: none of the request runs
+        await _release_all(state, gens[: len(placed)])
+        raise
     return placed
 
 
-def _enqueue_all(
+async def _enqueue_all(
     state: RouterState, gens: list[GenerationRequest], placed: list[Placement]
 ) -> None:
     enqueued = 0
     try:
         for gen, where in zip(gens, placed, strict=True):
-            state.dispatcher.enqueue(gen, where.worker_id)
+            await state.dispatcher.enqueue(gen, where.worker_id)
             enqueued += 1
     except BaseException:
         # None of the request is answered: the choices already enqueued are cancelled (no
         # worker runs them for nobody) and every choice's reservation goes.
-        state.dispatcher.cancel_sync([gen.request_id for gen in gens[:enqueued]])
-        for gen in gens:
-            state.placer.release(gen.request_id)
+        await state.dispatcher.cancel([gen.request_id for gen in gens[:enqueued]])
+        await _release_all(state, gens)
         raise
 
 
-def _groups(gens: list[GenerationRequest]) -> list[list[GenerationRequest]]:
+async def _release_all(state: RouterState, gens: list[GenerationRequest]) -> None:
+    """Every choice's reservation, side by side (one write of the command batch)."""
+    await asyncio.gather(*[state.dispatcher.ledger.release(gen.request_id) for gen in gens])
+
+
+def _groups(admission: Admission) -> list[list[GenerationRequest]]:
     """The choices in runs that share a prompt (their `group`); a choice alone is its own run."""
     runs: list[list[GenerationRequest]] = []
-    for gen in gens:
+    for gen in admission.requests:
         if runs and gen.group and runs[-1][0].group == gen.group:
             runs[-1].append(gen)
         else:
