@@ -22,6 +22,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
+import hiredis
 import redis
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
@@ -44,6 +45,13 @@ class _Call:
     args: tuple[Arg, ...]
     reply: asyncio.Future[Any]
     script: AsyncScript | None = None  # an EVALSHA: sent again as EVAL on NOSCRIPT
+    # The command as RESP, packed by hiredis (redis-py's own packing cost several times more
+    # for a command of many arguments: a prompt's block members).
+    packed: bytes = b""
+
+    def pack(self) -> None:
+        """Raises TypeError (to the caller) for an argument RESP cannot carry."""
+        self.packed = hiredis.pack_command(self.args)
 
 
 class RedisBatch:
@@ -105,6 +113,7 @@ class RedisBatch:
         return replies[-1]
 
     def _add(self, call: _Call) -> asyncio.Future[Any]:
+        call.pack()
         if self._stopped:
             call.reply.set_exception(redis.ConnectionError("the router is stopping"))
             return call.reply
@@ -133,12 +142,10 @@ class RedisBatch:
     async def _send(self, calls: list[_Call]) -> list[_Call]:
         """One write of every call, and their replies; the NOSCRIPT ones, as EVALs, returned."""
         again: list[_Call] = []
-        packed: list[bytes] | None = None
+        packed = b"".join([c.packed for c in calls])
         for attempt in range(SEND_TRIES):
             try:
                 conn = await self._connection()
-                if packed is None:
-                    packed = conn.pack_commands([c.args for c in calls])
                 await conn.send_packed_command(packed, check_health=False)
                 break
             except (redis.ConnectionError, OSError) as exc:
@@ -159,6 +166,7 @@ class RedisBatch:
                 script = call.script
                 call.args = ("EVAL", script.script, *call.args[2:])
                 call.script = None
+                call.pack()
                 again.append(call)
                 continue
             except redis.ResponseError as exc:  # this command's own error: the rest follow

@@ -54,6 +54,17 @@ def test_a_commands_own_error_is_its_alone(redis_url: str) -> None:
     assert isinstance(failed, redis.ResponseError) and "not an integer" in str(failed)
 
 
+def test_an_argument_resp_cannot_carry_is_the_callers_error_alone(redis_url: str) -> None:
+    async def body(batch: RedisBatch, _: Any) -> Any:
+        fine = batch.call("SET", "a", "1")
+        with pytest.raises(TypeError):
+            batch.call("SET", "b", None)  # type: ignore[arg-type]
+        return await fine
+
+    assert _run(redis_url, body) == b"OK"
+    assert redis.Redis.from_url(redis_url).exists("b") == 0
+
+
 def test_a_script_redis_forgot_runs_once_as_eval(
     redis_url: str, redis_server: EmbeddedRedis
 ) -> None:

@@ -38,8 +38,12 @@ def admits_inline(body: object) -> bool:
 
 
 def _prompt_size(prompt: object) -> int:
+    """Characters or token ids: a string, a list of ids, or a list of either (pydantic made
+    every list one kind, so its first element says which)."""
     if isinstance(prompt, str):
         return len(prompt)
     if isinstance(prompt, list):
-        return sum(len(p) if isinstance(p, str | list) else 1 for p in prompt)
+        if not prompt or isinstance(prompt[0], int):
+            return len(prompt)
+        return sum(len(p) for p in prompt)
     return INLINE_PROMPT_SIZE + 1
