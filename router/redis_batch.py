@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Sequence
 from contextlib import suppress
 from dataclasses import dataclass
@@ -158,9 +159,20 @@ class RedisBatch:
             except redis.RedisError as exc:
                 await self._fail(calls, exc)
                 return again
+        # One stall bound for the whole write's replies (a read's own would cost a timeout
+        # context a reply): math.inf tells redis-py not to set its own.
+        try:
+            async with asyncio.timeout(conn.socket_timeout):
+                return await self._replies(conn, calls, again)
+        except TimeoutError:
+            stalled = redis.TimeoutError("Timeout reading the command batch's replies")
+            await self._fail(calls, stalled)
+            return again
+
+    async def _replies(self, conn: Any, calls: list[_Call], again: list[_Call]) -> list[_Call]:
         for i, call in enumerate(calls):
             try:
-                reply = await conn.read_response(disable_decoding=True)
+                reply = await conn.read_response(disable_decoding=True, timeout=math.inf)
             except NoScriptError:
                 assert call.script is not None
                 script = call.script

@@ -5,12 +5,13 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from router.edge.json_body import JSONBodyRoute
 from router.edge.openai_types import ChatCompletionRequest, ResponseFormat
 from router.relay.openai_render import respond
 from router.relay.submit import submit_chat
 from router.state import StateDep
 
-router = APIRouter()
+router = APIRouter(route_class=JSONBodyRoute)
 
 
 @router.post("/v1/chat/completions")

@@ -6,12 +6,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from router.admission.admit import admit_completion
+from router.edge.json_body import JSONBodyRoute
 from router.edge.openai_types import CompletionRequest, ResponseFormat
 from router.relay.openai_render import respond
 from router.relay.submit import admit_and_submit
 from router.state import StateDep
 
-router = APIRouter()
+router = APIRouter(route_class=JSONBodyRoute)
 
 
 @router.post("/v1/completions")

@@ -13,11 +13,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from router.edge.embedding_types import EmbeddingBody
+from router.edge.json_body import JSONBodyRoute
 from router.relay.embeddings import embedding_reply, submit_embeddings
 from router.state import StateDep
 from shared.embedding_wire import EmbeddingReply, floats_of
 
-router = APIRouter()
+router = APIRouter(route_class=JSONBodyRoute)
 
 
 @router.post("/v1/embeddings")

@@ -11,9 +11,10 @@ from fastapi.responses import Response
 
 from router.dialects.anthropic_service import count_tokens, create_message
 from router.dialects.anthropic_types import CountTokensRequest, CreateMessageRequest
+from router.edge.json_body import JSONBodyRoute
 from router.state import StateDep
 
-router = APIRouter()
+router = APIRouter(route_class=JSONBodyRoute)
 
 
 @router.post("/v1/messages")

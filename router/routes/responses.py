@@ -10,10 +10,11 @@ from fastapi.responses import Response
 
 from router.dialects import responses_service
 from router.dialects.responses import ResponsesRequest
+from router.edge.json_body import JSONBodyRoute
 from router.routes.probe import get_and_head
 from router.state import StateDep
 
-router = APIRouter()
+router = APIRouter(route_class=JSONBodyRoute)
 
 
 @router.post("/v1/responses")

@@ -21,6 +21,7 @@ from router.admission.admit import (
 )
 from router.admission.tokenization import TokenizerLoadError
 from router.edge.errors import APIError
+from router.edge.json_body import JSONBodyRoute
 from router.edge.openai_types import ChatCompletionRequest
 from router.edge.tokenize_types import (
     DetokenizeRequest,
@@ -33,7 +34,7 @@ from router.state import RouterState, StateDep
 from shared.canary_check import CanaryMismatch
 from shared.errors import ErrorKind
 
-router = APIRouter()
+router = APIRouter(route_class=JSONBodyRoute)
 
 
 def _context(state: RouterState, model: str | None) -> AdmissionContext:
