@@ -26,7 +26,7 @@ from typing import Any
 import hiredis
 import redis
 import redis.asyncio as aioredis
-from redis.commands.core import AsyncScript
+from redis.commands.core import AsyncScript, Script
 from redis.exceptions import NoScriptError
 
 from router.cancellation import stop_if_cancelled
@@ -45,7 +45,7 @@ SEND_BACKOFF_S = 0.01
 class _Call:
     args: tuple[Arg, ...]
     reply: asyncio.Future[Any]
-    script: AsyncScript | None = None  # an EVALSHA: sent again as EVAL on NOSCRIPT
+    script: AsyncScript | Script | None = None  # an EVALSHA: sent again as EVAL on NOSCRIPT
     # The command as RESP, packed by hiredis (redis-py's own packing cost several times more
     # for a command of many arguments: a prompt's block members).
     packed: bytes = b""
@@ -86,9 +86,10 @@ class RedisBatch:
         return self._add(_Call(args, asyncio.get_running_loop().create_future()))
 
     def script(
-        self, script: AsyncScript, keys: Sequence[Arg], args: Sequence[Arg]
+        self, script: AsyncScript | Script, keys: Sequence[Arg], args: Sequence[Arg]
     ) -> asyncio.Future[Any]:
-        """A registered script's EVALSHA (its EVAL when Redis no longer has it)."""
+        """A registered script's EVALSHA (its EVAL when Redis no longer has it), from either
+        client's register_script: only its sha and text are used."""
         call = _Call(
             ("EVALSHA", script.sha, len(keys), *keys, *args),
             asyncio.get_running_loop().create_future(),
