@@ -445,6 +445,20 @@ def _beating(r: redis.Redis, wid: str, age_s: float) -> None:
         r.set(keys.worker_reaped(wid), verdict, ex=60)
 
 
+def _answer(r: redis.Redis, req: GenerationRequest, fut: Future[httpx.Response], text: str) -> None:
+    """The next attempt's worker (w2) answers `text`: the client gets it, whole, as a 200."""
+    play(
+        r,
+        req,
+        StreamEvent(kind="start", worker_id="w2"),
+        StreamEvent(kind="delta", text=text, token_ids=[1]),
+        StreamEvent(kind="done", finish_reason="length", completion_tokens=1),
+    )
+    resp = fut.result(15)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == text
+
+
 def test_a_request_whose_worker_died_before_any_token_runs_again_elsewhere(
     router_url: str, r: redis.Redis, pool: ThreadPoolExecutor, model_id: str
 ) -> None:
@@ -458,16 +472,7 @@ def test_a_request_whose_worker_died_before_any_token_runs_again_elsewhere(
     assert req2.request_id == f"{req.request_id}-1" and req2.prompt_tokens == req.prompt_tokens
     # The lost attempt is fenced: a worker that was only slow drops it.
     assert r.get(keys.request_cancel(req.request_id)) == b"1"
-    play(
-        r,
-        req2,
-        StreamEvent(kind="start", worker_id="w2"),
-        StreamEvent(kind="delta", text="fine", token_ids=[1]),
-        StreamEvent(kind="done", finish_reason="length", completion_tokens=1),
-    )
-    resp = fut.result(15)
-    assert resp.status_code == 200, resp.text
-    assert resp.json()["choices"][0]["text"] == "fine"
+    _answer(r, req2, fut, "fine")
 
 
 def test_a_job_whose_take_was_lost_before_its_start_runs_again(
@@ -483,16 +488,7 @@ def test_a_job_whose_take_was_lost_before_its_start_runs_again(
     _, req2 = take_job(r, timeout=REQUEST_TIMEOUT_S)  # before the request's own timeout
     assert req2.request_id == f"{req.request_id}-1"
     assert r.get(keys.request_cancel(req.request_id)) == b"1"
-    play(
-        r,
-        req2,
-        StreamEvent(kind="start", worker_id="w2"),
-        StreamEvent(kind="delta", text="again", token_ids=[1]),
-        StreamEvent(kind="done", finish_reason="length", completion_tokens=1),
-    )
-    resp = fut.result(15)
-    assert resp.status_code == 200, resp.text
-    assert resp.json()["choices"][0]["text"] == "again"
+    _answer(r, req2, fut, "again")
 
 
 def test_a_job_on_its_queues_taken_list_is_a_take_in_progress_not_a_lost_one(
