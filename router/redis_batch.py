@@ -7,10 +7,12 @@ command) cost many times the command. Here every command asked for while the pre
 on its way goes out in the next write, as one pipeline; the replies are read back in order and
 each caller's await gets its own, or its own error.
 
-A command Redis may have read is never sent again: a connection lost while its replies are
-read fails every command of that write with the ConnectionError (Redis may have applied them).
-A write that could not be sent at all (no connection, Redis restarting) is tried again on a new
-one, and a script Redis does not know (NOSCRIPT: it did not run) is sent again as EVAL.
+A command Redis may have run is never sent again: a connection lost while a write goes out or
+its replies are read fails every command of that write not answered yet with the
+ConnectionError (Redis may have applied them). What Redis cannot have run is: a write that
+found no connection (Redis restarting) waits and tries again, a script Redis does not know
+(NOSCRIPT) is sent again as EVAL, and a write a demoted primary refused (READONLY: the primary
+moved under the connection) is sent once more, to the new one.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import hiredis
 import redis
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript, Script
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ReadOnlyError
 
 from router.cancellation import stop_if_cancelled
 
@@ -49,15 +51,38 @@ class _Call:
     # The command as RESP, packed by hiredis (redis-py's own packing cost several times more
     # for a command of many arguments: a prompt's block members).
     packed: bytes = b""
+    resent: bool = False  # sent once more after a demoted primary refused it
 
     def pack(self) -> None:
         """Raises TypeError (to the caller) for an argument RESP cannot carry."""
         self.packed = hiredis.pack_command(self.args)
 
 
+async def _fresh(conn: Any) -> None:
+    """Reconnect a connection Redis closed while it sat in the pool (a restart, a kill): its
+    socket reads as EOF before any send. redis-py's pool checks this only with maintenance
+    notifications off, and leaves the rest to its retry, which the batch does not make."""
+    try:
+        stale = await conn.can_read()
+    except (redis.RedisError, OSError):
+        stale = True
+    if stale:
+        await conn.disconnect()
+        await conn.connect()
+
+
+def _refused_by_replica(exc: BaseException) -> bool:
+    """Whether a lost connection is redis-py's (or shared.redis_clients') answer to READONLY:
+    a primary demoted under the connection refused the write."""
+    cause = exc.__cause__ or exc.__context__
+    if isinstance(cause, ReadOnlyError):  # a plain command's (redis-py strips the prefix)
+        return True
+    return isinstance(cause, redis.ResponseError) and "READONLY" in str(cause)  # a script's
+
+
 class RedisBatch:
-    """One connection of `aredis`'s pool, held while the batch runs; `call`/`script` from the
-    event loop only. Its task starts with the first command and ends at stop()."""
+    """A connection of `aredis`'s pool a write, taken and given back; `call`/`script` from
+    the event loop only. Its task starts with the first command and ends at stop()."""
 
     def __init__(self, aredis: aioredis.Redis) -> None:
         self._pool = aredis.connection_pool
@@ -100,12 +125,11 @@ class RedisBatch:
     async def transaction(self, commands: Sequence[Sequence[Arg]]) -> Any:
         """The commands between MULTI and EXEC, side by side in one write; EXEC's reply, or the
         first error (a command Redis refused, EXECABORT, a lost connection)."""
-        replies = await asyncio.gather(
-            self.call("MULTI"),
-            *[self.call(*command) for command in commands],
-            self.call("EXEC"),
-            return_exceptions=True,
-        )
+        loop = asyncio.get_running_loop()
+        calls = [_Call(tuple(c), loop.create_future()) for c in (("MULTI",), *commands, ("EXEC",))]
+        for call in calls:  # all packed before any is added: never a MULTI without its EXEC
+            call.pack()
+        replies = await asyncio.gather(*[self._add(c) for c in calls], return_exceptions=True)
         for reply in replies:
             if isinstance(reply, BaseException):
                 raise reply
@@ -115,7 +139,8 @@ class RedisBatch:
         return replies[-1]
 
     def _add(self, call: _Call) -> asyncio.Future[Any]:
-        call.pack()
+        if not call.packed:
+            call.pack()
         if self._stopped:
             call.reply.set_exception(redis.ConnectionError("the router is stopping"))
             return call.reply
@@ -138,76 +163,73 @@ class RedisBatch:
                 await self._fail(self._in_flight, exc)
                 again = []
             self._in_flight = []
-            # Scripts Redis did not know go first in the next write, in their order.
+            # What goes again goes first in the next write, in its order.
             self._waiting[:0] = again
 
     async def _send(self, calls: list[_Call]) -> list[_Call]:
-        """One write of every call, and their replies; the NOSCRIPT ones, as EVALs, returned."""
+        """One write of every call, and their replies; the calls to send again (NOSCRIPT ones
+        as EVALs, and those a demoted primary refused) returned. The connection comes from the
+        pool and goes back to it each write, so the pool's own checks hold: a socket Redis
+        closed is replaced, and a Sentinel pool follows the primary when it moves."""
         again: list[_Call] = []
-        packed = b"".join([c.packed for c in calls])
         for attempt in range(SEND_TRIES):
             try:
-                conn = await self._connection()
-                await conn.send_packed_command(packed, check_health=False)
+                if self._conn is None:
+                    self._conn = await self._pool.get_connection()
+                await _fresh(self._conn)
                 break
-            except (redis.ConnectionError, OSError) as exc:
-                # Not sent (no connection, or Redis had closed this one): sent on a new one.
-                await self._drop()
+            except (redis.ConnectionError, OSError) as exc:  # nothing was sent: try again
                 if attempt + 1 == SEND_TRIES:
                     await self._fail(calls, exc)
                     return again
                 await asyncio.sleep(SEND_BACKOFF_S * 2**attempt)
-            except redis.RedisError as exc:
-                await self._fail(calls, exc)
-                return again
-        # One stall bound for the whole write's replies (a read's own would cost a timeout
-        # context a reply): math.inf tells redis-py not to set its own.
+        conn = self._conn
         try:
+            # A failed write may have reached Redis in part: from here nothing is sent again
+            # but what Redis refused.
+            await conn.send_packed_command(b"".join([c.packed for c in calls]), check_health=False)
+            # One stall bound for the whole write's replies (a read's own would cost a timeout
+            # context a reply): math.inf tells redis-py not to set its own.
             async with asyncio.timeout(conn.socket_timeout):
-                return await self._replies(conn, calls, again)
-        except TimeoutError:
-            stalled = redis.TimeoutError("Timeout reading the command batch's replies")
-            await self._fail(calls, stalled)
+                await self._replies(conn, calls, again)
+        except (TimeoutError, redis.RedisError, OSError) as exc:
+            if isinstance(exc, TimeoutError) and not isinstance(exc, redis.RedisError):
+                exc = redis.TimeoutError("Timeout reading the command batch's replies")
+            going = {id(c) for c in again}  # not run: they go again, not fail
+            await self._fail([c for c in calls if id(c) not in going], exc)
             return again
+        self._conn = None
+        await self._pool.release(conn)
+        return again
 
-    async def _replies(self, conn: Any, calls: list[_Call], again: list[_Call]) -> list[_Call]:
+    async def _replies(self, conn: Any, calls: list[_Call], again: list[_Call]) -> None:
+        """Each call's reply to its future, in order; raises what ends the write (the calls
+        not answered yet fail with it), having moved to `again` the ones to send again."""
         for i, call in enumerate(calls):
             try:
                 reply = await conn.read_response(disable_decoding=True, timeout=math.inf)
             except NoScriptError:
                 assert call.script is not None
-                script = call.script
-                call.args = ("EVAL", script.script, *call.args[2:])
+                call.args = ("EVAL", call.script.script, *call.args[2:])
                 call.script = None
                 call.pack()
-                again.append(call)
+                if not call.reply.done():  # its caller may have stopped waiting
+                    again.append(call)
                 continue
             except redis.ResponseError as exc:  # this command's own error: the rest follow
                 if not call.reply.done():
                     call.reply.set_exception(exc)
                 continue
-            except (redis.RedisError, OSError) as exc:
-                await self._fail(calls[i:], exc)
-                return again
+            except redis.ConnectionError as exc:
+                if _refused_by_replica(exc):
+                    # The primary moved: this write went to a replica, which ran none of its
+                    # commands (every one writes). Sent once more, to the new primary.
+                    again += [c for c in calls[i:] if not c.resent and not c.reply.done()]
+                    for c in calls[i:]:
+                        c.resent = True
+                raise
             if not call.reply.done():  # its caller may have stopped waiting
                 call.reply.set_result(reply)
-        return again
-
-    async def _connection(self) -> Any:
-        """The held connection, or a new one from the pool when there is none or Redis closed
-        it meanwhile (a restart: its end of the socket reads as EOF before any send)."""
-        conn = self._conn
-        if conn is not None:
-            try:
-                stale = await conn.can_read()
-            except (redis.RedisError, OSError):
-                stale = True
-            if stale:
-                await self._drop()
-                conn = None
-        if conn is None:
-            conn = self._conn = await self._pool.get_connection()
-        return conn
 
     async def _fail(self, calls: list[_Call], exc: BaseException) -> None:
         log.warning("redis batch: %d command(s) failed: %s", len(calls), exc)

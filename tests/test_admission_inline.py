@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from router.admission.inline import INLINE_PROMPT_SIZE, admits_inline
+from router.admission.tokenization import TokenizerPool
 from router.edge.openai_types import ChatCompletionRequest, CompletionRequest
 
 SHORT = "Say hello."
@@ -56,3 +57,13 @@ def test_long_or_costly_requests_go_to_a_thread(body: Any) -> None:
 
 def test_another_apis_body_is_not_admitted_in_line() -> None:
     assert not admits_inline({"prompt": SHORT})
+
+
+def test_a_tokenizer_pool_with_every_copy_out_is_not_idle() -> None:
+    """What ModelCatalog.ready asks before admitting on the event loop: a free copy, else the
+    request goes to a thread instead of waiting on the loop."""
+    pool = TokenizerPool(["copy-1", "copy-2"])
+    assert pool.idle()
+    with pool.borrow(), pool.borrow():
+        assert not pool.idle()
+    assert pool.idle()

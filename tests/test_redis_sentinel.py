@@ -23,6 +23,7 @@ import redis
 from rq.utils import utcparse
 
 from mlxcel_pool.redis_server import POOL_USER, EmbeddedRedis, start_redis, start_sentinel
+from router.redis_batch import RedisBatch
 from shared import keys
 from shared.config import ConfigError, RedisConfig, load_settings
 from shared.redis_auth import MASK, masked_url
@@ -306,6 +307,45 @@ def test_clients_follow_a_manual_failover_and_the_workers_client_reports_it_once
         async_thread.join(10)
         elsewhere.join(10)
     assert other_thread_errors == [] and box["n"] > 0
+
+
+def test_the_routers_command_batch_follows_a_manual_failover(sentinel_set: SentinelSet) -> None:
+    """The command batch (router/redis_batch.py) takes a connection from the Sentinel pool for
+    each write: within about FOLLOW_S of the move its commands and scripts land on the new
+    primary, and none waits out a stall."""
+    s = sentinel_set
+    old = s.primary_port()
+
+    async def run() -> tuple[int, list[str]]:
+        aredis = async_client(RedisConfig(url=s.url))
+        batch = RedisBatch(aredis)
+        script = aredis.register_script("return redis.call('INCR', KEYS[1])")
+        errors: list[str] = []
+        try:
+            assert await batch.call("SET", "batch", "0") == b"OK"
+            assert s.watcher.sentinel_failover(SERVICE)
+            new = await asyncio.to_thread(s.wait_primary_moves, old, 10)
+            moved_at = time.monotonic()
+            while time.monotonic() - moved_at < FOLLOW_S + 2:
+                started = time.monotonic()
+                try:
+                    await asyncio.gather(
+                        batch.call("INCR", "batch"), batch.script(script, ["batch"], [])
+                    )
+                except redis.RedisError as exc:
+                    errors.append(f"{type(exc).__name__}: {exc}")
+                assert time.monotonic() - started < 2, "a write waited out a stall"
+                await asyncio.sleep(0.02)
+            before = int(s.direct(new).get("batch") or 0)
+            await asyncio.gather(batch.call("INCR", "batch"), batch.script(script, ["batch"], []))
+            return int(s.direct(new).get("batch") or 0) - before, errors
+        finally:
+            await batch.stop()
+            await aredis.aclose()
+
+    landed, errors = asyncio.run(run())
+    assert landed == 2  # both on the new primary
+    assert len(errors) <= 2, errors  # at most the write the old primary's demotion cut short
 
 
 def test_a_script_refused_by_a_demoted_primary_is_a_lost_connection(

@@ -108,6 +108,11 @@ class TokenizerPool:
         finally:
             lane.put(hf)
 
+    def idle(self) -> bool:
+        """Whether a copy for a short text is free now (a thread may take it first: then a short
+        text waits for another short text's encoding, never a long one's)."""
+        return not self._small.empty() or not self._large.empty()
+
     def _take(self, large: bool) -> tuple[queue.SimpleQueue[Any], Any]:
         if large:
             return self._large, self._large.get()

@@ -156,9 +156,11 @@ class ModelCatalog:
         return self._others[model_id]
 
     def ready(self, model_id: str) -> bool:
-        """Whether get() and embedding_model() answer for `model_id` without a read for a while
-        yet: its context loaded, the roster's view fresh (with half its life to spare)."""
-        if model_id != self.primary.model_id and model_id not in self._others:
+        """Whether a request for `model_id` is admitted now without waiting: its context
+        loaded, the roster's view fresh (with half its life to spare, so get() and
+        embedding_model() read nothing), a tokenizer copy free."""
+        ctx = self.primary if model_id == self.primary.model_id else self._others.get(model_id)
+        if ctx is None or not ctx.tokenizer.pool.idle():
             return False
         return time.monotonic() - self._live_at < LIVE_CACHE_S / 2
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import redis
@@ -24,6 +26,7 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.utils import get_version
 
+from router.admission.inline import INLINE_PROMPT_SIZE
 from router.placement.ledger import AdmissionLedger
 from router.redis_batch import RedisBatch
 from router.relay.attempt import Attempt, JobState
@@ -86,6 +89,14 @@ class Dispatcher:
         read the server's version: warm_rq), its commands sent as one MULTI/EXEC in the
         command batch, so the job hash, its TTLs and the queue push land together or not at
         all."""
+        build = functools.partial(self._job_commands, req, worker_id)
+        # A long prompt's job (msgpack, then rq's zlib) is built off the event loop.
+        long = len(req.prompt_tokens) > INLINE_PROMPT_SIZE
+        commands = await anyio.to_thread.run_sync(build) if long else build()
+        await self.batch.transaction(commands)
+
+    def _job_commands(self, req: GenerationRequest, worker_id: str) -> list[tuple[Any, ...]]:
+        """rq's enqueue of the request's job, as the commands of its transaction."""
         pipe = self._job_pipeline(
             self.queue_for(worker_id, req.model),
             JOB_FUNC,
@@ -95,7 +106,7 @@ class Dispatcher:
         )
         commands = [args for args, _ in pipe.command_stack]
         pipe.reset()
-        await self.batch.transaction(commands)
+        return commands
 
     def enqueue_job(
         self, queue: Queue, func: str, kwargs: dict[str, object], job_id: str, description: str
@@ -310,10 +321,10 @@ class Dispatcher:
 
     def _off_queue(self, job: Job) -> bool:
         """Whether rq still says the job is queued while neither its queue nor that queue's
-        taken list holds it (read in one round trip, so a take and start between the reads
-        cannot make a started job look stranded)."""
+        taken list holds it (read in one transaction, so a take and start cannot fall between
+        the reads and make a started job look stranded)."""
         queue, taken = keys.rq_queue_key(job.origin), keys.rq_intermediate_key(job.origin)
-        with self.sync_redis.pipeline(transaction=False) as pipe:
+        with self.sync_redis.pipeline() as pipe:  # MULTI/EXEC: one moment's view
             pipe.hget(job.key, "status")
             pipe.llen(queue)
             pipe.lpos(queue, job.id, maxlen=QUEUE_SCAN_MAX)

@@ -62,11 +62,9 @@ async def admit_and_submit(
     shut = state.dispatcher.ledger.gate.refusal(model)
     if shut is not None:
         raise busy_error(shut, state.settings.admission.retry_after_s)
-    # A short plain request on the event loop; any other, one whose model's context or the
-    # roster's view would have to be read first (I/O), or any with one tokenizer copy (a long
-    # prompt's thread may hold it), in a worker thread.
-    copies = state.settings.router.tokenizer_copies
-    inline = copies > 1 and admits_inline(body) and state.catalog.ready(model)
+    # A short plain request on the event loop; any other, or one whose model's context, the
+    # roster's view or a tokenizer copy would have to be waited for, in a worker thread.
+    inline = admits_inline(body) and state.catalog.ready(model)
     admission = run() if inline else await anyio.to_thread.run_sync(run)
     if admission.outcome is not Outcome.ADMIT:
         raise admission.error()
@@ -122,7 +120,8 @@ async def _enqueue_all(
     except BaseException:
         # None of the request is answered: the choices already enqueued are cancelled (no
         # worker runs them for nobody) and every choice's reservation goes.
-        await state.dispatcher.cancel([gen.request_id for gen in gens[:enqueued]])
+        # The one whose enqueue failed too: Redis may have applied it before its reply was lost.
+        await state.dispatcher.cancel([gen.request_id for gen in gens[: enqueued + 1]])
         await _release_all(state, gens)
         raise
 
