@@ -1,4 +1,5 @@
-"""The event loop's hot-path Redis commands, pipelined on one connection.
+"""The event loop's hot-path Redis commands, pipelined: one write at a time, on a connection of
+the pool.
 
 Every request costs the router a few small commands of its own (its start and release scripts,
 its stream's DEL, the stream hub's wake). Sent one by one through redis-py's asyncio client, the
