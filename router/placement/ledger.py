@@ -149,8 +149,8 @@ class AdmissionLedger:
         self._place = sync_redis.register_script(PLACE_LUA)
         self._started = aredis.register_script(STARTED_LUA)
         self._refresh = aredis.register_script(REFRESH_LUA)
-        self._release_async = aredis.register_script(RELEASE_LUA)
-        self._release_sync = sync_redis.register_script(RELEASE_LUA)
+        # One registration serves both sides: the command batch sends only its sha and text.
+        self._release = sync_redis.register_script(RELEASE_LUA)
         self.aredis = aredis
         # The start and release scripts go through the process's command batch (one of its own
         # when none is given: it stops with this ledger).
@@ -280,16 +280,16 @@ class AdmissionLedger:
 
     async def release(self, request_id: str) -> None:
         try:
-            await self.batch.script(self._release_async, **self._release_call(request_id))
+            await self.batch.script(self._release, **self._release_call(request_id))
         except redis.RedisError:  # it lapses on its own within reservation_ttl_s
             log.warning("could not release the reservation of %s", request_id, exc_info=True)
         self.gate.open()  # after the release: a refusal decided before it is stale
 
     def release_sync(self, request_id: str, client: redis.Redis) -> None:
-        """Release, blocking: reserve()'s counterpart, for a caller off the event loop (a
-        tool, a benchmark, another process's ledger)."""
+        """Release, blocking: reserve()'s counterpart, for a caller off the event loop (the
+        tests' second router, a tool)."""
         with suppress(redis.RedisError):
-            self._release_sync(**self._release_call(request_id), client=client)
+            self._release(**self._release_call(request_id), client=client)
         self.gate.open()
 
     def _release_call(self, request_id: str) -> dict[str, Any]:

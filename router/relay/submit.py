@@ -1,5 +1,6 @@
-"""Admit and enqueue a request: validation, tokenization, placement of every choice and the
-enqueue, in one trip to a worker thread."""
+"""Admit and enqueue a request: validation, tokenization and block hashes (in a worker thread,
+or in line when short and plain), then the placement of every choice and its enqueue through
+the process's command batch."""
 
 from __future__ import annotations
 
