@@ -124,6 +124,8 @@ class ModelCatalog:
         self._logged: dict[str, str] = {}
         self._refusal_lock = threading.Lock()
         self._task: asyncio.Task[None] | None = None
+        # The roster view's refresh that ready() started, while it runs (one at a time).
+        self._refresh: asyncio.Task[None] | None = None
 
     def get(self, model_id: str) -> AdmissionContext | None:
         """The admission context of a model this pool serves, else None (blocking: call it off
@@ -162,7 +164,27 @@ class ModelCatalog:
         ctx = self.primary if model_id == self.primary.model_id else self._others.get(model_id)
         if ctx is None or not ctx.tokenizer.pool.idle():
             return False
-        return time.monotonic() - self._live_at < LIVE_CACHE_S / 2
+        if time.monotonic() - self._live_at < LIVE_CACHE_S / 2:
+            return True
+        # Past half its life the view is read again in a thread now, not by the first request
+        # that finds it expired: under steady load every request finds it fresh.
+        if self._refresh is None:
+            self._refresh = asyncio.get_running_loop().create_task(self._refresh_live())
+        return False
+
+    async def _refresh_live(self) -> None:
+        try:
+            await anyio.to_thread.run_sync(self._read_live_now)
+        except redis.RedisError as exc:  # requests report an unreachable Redis themselves
+            log.debug("model catalog: roster unreadable (%s)", exc)
+        except Exception:
+            log.exception("model catalog: reading the roster failed")
+        finally:
+            self._refresh = None
+
+    def _read_live_now(self) -> None:
+        now = time.monotonic()
+        self._live, self._live_at = self._read_live(), now
 
     def embedding_model(self, model_id: str) -> LiveModel | None:
         """The live embedding model of this id, else None (a generation model, or none live).
@@ -201,12 +223,9 @@ class ModelCatalog:
 
     def live(self) -> dict[str, LiveModel]:
         """Models with a live worker, by id (looked up at most once per LIVE_CACHE_S)."""
-        now = time.monotonic()
-        if now - self._live_at < LIVE_CACHE_S:
-            return self._live
-        live = self._read_live()
-        self._live, self._live_at = live, now
-        return live
+        if time.monotonic() - self._live_at >= LIVE_CACHE_S:
+            self._read_live_now()
+        return self._live
 
     def _read_live(self) -> dict[str, LiveModel]:
         first: dict[str, dict[str, str]] = {}
@@ -240,10 +259,11 @@ class ModelCatalog:
         self._task = asyncio.create_task(self._watch(), name="model-catalog")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        for task in (self._task, self._refresh):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._task = self._refresh = None
 
     async def _watch(self) -> None:
         while True:
