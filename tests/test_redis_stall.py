@@ -22,8 +22,13 @@ from rq.registry import StartedJobRegistry
 from transformers import AutoTokenizer
 
 from mlxcel_pool.redis_server import EmbeddedRedis, start_redis
+from router.relay import stream_hub
+from router.relay.event_decode import decode_entry
+from router.relay.stream_hub import StreamHub
+from shared import keys
 from shared.config import RedisConfig
 from shared.redis_clients import sync_client
+from shared.wire import STREAM_FIELD, StreamEvent
 from tests.pool_fixture import running_pool, sse_events
 from tests.streams import SHARED_QUEUE
 
@@ -85,6 +90,51 @@ def test_a_stall_past_the_bound_fails_the_command_and_never_resends_it(
     assert reader.xlen(STREAM) <= 1
     assert reader.xlen(STREAM) == 0 or 0 < reader.ttl(STREAM) <= 60
     assert client.ping()  # the client reconnects once Redis answers again
+
+
+def test_the_stream_hub_gives_up_a_read_stalled_past_the_bound_and_reads_on(
+    own_redis: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The hub's blocking read is timed by no timer of its own: its watch finds a read overdue
+    past the block and the stall bound, drops that connection and reads on through a new one,
+    from where it was (every entry once)."""
+    monkeypatch.setattr(stream_hub, "BLOCK_MS", 200)
+    monkeypatch.setattr(stream_hub, "STALL_CHECK_S", 0.2)
+    stream = keys.request_stream("hub-stall")
+    r = redis.Redis.from_url(own_redis.url)
+
+    def write(seqs: range) -> None:
+        for seq in seqs:
+            event = StreamEvent(kind="delta", seq=seq, text=f"t{seq}", token_ids=[seq])
+            r.xadd(stream, {STREAM_FIELD: event.to_wire()})
+
+    async def run() -> list[int]:
+        hub = StreamHub(RedisConfig(url=own_redis.url, stall_timeout_s=1.0))
+        await hub.start()
+        try:
+            feed = await hub.subscribe(stream)
+            await asyncio.to_thread(write, range(0, 2))
+            got: list[int] = []
+            while len(got) < 2:
+                assert await feed.wait(30.0)
+                got += [decode_entry(f).seq for _, f in feed.take()]
+            await asyncio.to_thread(_pause, own_redis.process.pid, 3.0)
+            await asyncio.to_thread(write, range(2, 4))
+            while len(got) < 4:
+                assert await feed.wait(30.0)
+                got += [decode_entry(f).seq for _, f in feed.take()]
+            return got
+        finally:
+            await hub.stop()
+
+    with caplog.at_level("WARNING", logger="router.relay.stream_hub"):
+        assert asyncio.run(asyncio.wait_for(run(), 60)) == [0, 1, 2, 3]
+    assert any("no reply to XREAD" in rec.getMessage() for rec in caplog.records)
+
+
+def _pause(pid: int, seconds: float) -> None:
+    with paused(pid, seconds):
+        pass
 
 
 # --- a whole pool through a stall -----------------------------------------------------------------

@@ -9,10 +9,13 @@ A blocked XREAD cannot learn of a new stream, so a new subscription XADDs to thi
 wake stream, which every read includes; a subscription made while the read in flight already
 names it (or while one wake is on its way) needs none.
 
-The read is packed here, not by redis-py: a read names every open stream, and redis-py's packing
-of a few hundred arguments cost more than the reply's parse. Each stream's key is packed once,
-at its subscription, and its last id once per read that moved it; the reply comes back unparsed
-by redis-py (hiredis's lists, no dict per entry).
+The read is packed and read here, not by redis-py: a read names every open stream, and redis-py's
+packing of a few hundred arguments cost more than the reply's parse. Each stream's key is packed
+once, at its subscription, and its last id once per read that moved it. redis-py opens the read
+connection (its handshake, a Sentinel's primary); then the hub owns its transport, and each
+reply is parsed by hiredis and dispatched in the callback that received it, where the next read
+is sent: redis-py's send and read cost a task, a timer and two loop passes a read, which at one
+stream was the larger part of the router's time a token.
 """
 
 from __future__ import annotations
@@ -20,12 +23,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
 
+import hiredis
 import redis
 
-from router.cancellation import stop_if_cancelled
 from router.redis_batch import RedisBatch
 from shared import keys
 from shared.config import RedisConfig
@@ -39,6 +43,9 @@ RETRY_S = 0.5
 # How long the next read waits after one that found its entries waiting (see _run): a small
 # part of a decode step, and no wait at all for an entry that comes later than that.
 READ_GATHER_S = 0.002
+# How often the read connection is looked at for a reply overdue past its block and the stall
+# bound (a few wake-ups a minute: the reads themselves are timed by nothing).
+STALL_CHECK_S = 5.0
 # How late a reader waiting for its stream's next entries may learn that its wait is over.
 TICK_S = 0.1
 
@@ -135,13 +142,43 @@ class _Subscription:
         self.id_arg = _bulk(b"0-0")  # every entry the stream has: a worker may write first
 
 
+class _ReadProtocol(asyncio.Protocol):
+    """The hub's read connection once redis-py has opened it (its handshake done: AUTH, HELLO,
+    SELECT, a Sentinel's primary found): each reply is handled in the callback that received it,
+    so a read costs no task, future or timer of its own; `lost` is set when the connection ends
+    or fails."""
+
+    def __init__(self, on_reply: Callable[[Any], None], lost: asyncio.Future[None]) -> None:
+        self._reader = hiredis.Reader()
+        self._on_reply = on_reply
+        self.lost = lost
+
+    def data_received(self, data: bytes) -> None:
+        self._reader.feed(data)
+        try:
+            while (reply := self._reader.gets()) is not False:
+                if isinstance(reply, hiredis.ReplyError):
+                    raise redis.ResponseError(str(reply))
+                self._on_reply(reply)
+        except Exception as exc:  # a reply error, a protocol error: this connection is done
+            self.fail(exc)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.fail(exc or redis.ConnectionError("Redis closed the connection"))
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.lost.done():
+            self.lost.set_exception(exc)
+
+
 class StreamHub:
     def __init__(self, config: RedisConfig, batch: RedisBatch | None = None) -> None:
-        # The blocking read has a client of its own (its block is far below the client's stall
-        # bound, so it never times out early); wake-ups go through another, in the process's
+        # The blocking read has a connection of its own, opened by a client of its own and then
+        # read through _ReadProtocol; wake-ups go through another client, in the process's
         # command batch (one of its own when none is given: it stops with the hub).
         self._reader = async_client(config)
         self._writer = async_client(config)
+        self._stall_s = config.stall_timeout_s
         self._own_batch = batch is None
         self._batch = batch if batch is not None else RedisBatch(self._writer)
         self._wake_key = keys.router_wake(uuid.uuid4().hex)
@@ -150,14 +187,17 @@ class StreamHub:
         self._wake_id_arg = _bulk(b"$")
         self._subs: dict[bytes, _Subscription] = {}
         self._wake = self._writer.register_script(WAKE_LUA)
-        self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._deadlines = Deadlines()
         self._ticker: asyncio.Task[None] | None = None
+        self._transport: asyncio.Transport | None = None
         # A read is in flight, and it names every stream subscribed before it was sent; a wake
-        # is on its way to it (one wake brings it back for every subscription made meanwhile).
+        # is on its way to it (one wake brings it back for every subscription made meanwhile);
+        # the next read waits for its gather (see _on_reply).
         self._reading = False
         self._wake_sent = False
+        self._gather: asyncio.TimerHandle | None = None
+        self._sent_at = 0.0
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="stream-hub")
@@ -181,11 +221,15 @@ class StreamHub:
         sub = self._subs.get(key)
         if sub is None:
             sub = self._subs[key] = _Subscription(key, self._deadlines)
-        self._changed.set()
-        if self._reading and not self._wake_sent:
-            # The read in flight was sent before this stream was known: bring it back.
-            self._wake_sent = True
-            await self._batch.script(self._wake, keys=[self._wake_key], args=[keys.REQUEST_TTL_S])
+        if self._reading:
+            if not self._wake_sent:
+                # The read in flight was sent before this stream was known: bring it back.
+                self._wake_sent = True
+                await self._batch.script(
+                    self._wake, keys=[self._wake_key], args=[keys.REQUEST_TTL_S]
+                )
+        elif self._gather is None:
+            self._send()  # the hub was idle (no stream to read): this one starts it
         return sub.feed
 
     def unsubscribe(self, stream: str) -> None:
@@ -209,49 +253,83 @@ class StreamHub:
             ]
         )
 
+    def _send(self) -> None:
+        """The next read, if the connection is up and a stream is open. Built and sent in one
+        callback: a subscription either is in this command or finds _reading set."""
+        self._gather = None
+        transport = self._transport
+        if self._reading or transport is None or transport.is_closing() or not self._subs:
+            return
+        self._wake_sent = False
+        self._reading = True
+        self._sent_at = asyncio.get_running_loop().time()
+        transport.write(self._command())
+
+    def _on_reply(self, reply: Any) -> None:
+        self._reading = False
+        if not reply:
+            self._send()
+            return
+        self._dispatch(reply)
+        # A read that found its entries waiting means writes land faster than reads: the next
+        # one waits for more to land (the readers just woken run meanwhile), so many workers'
+        # steps cost a read or two each, not one for every few streams. A read that blocked was
+        # woken by one worker's step, which is one script: the rest of it is there now (even if
+        # the woken read's reply named only some of its streams), and a wait would be one more
+        # wake-up a step for nothing.
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._sent_at < READ_GATHER_S:
+            self._gather = loop.call_later(READ_GATHER_S, self._send)
+        else:
+            self._send()
+
     async def _run(self) -> None:
+        """Open the read connection, read through it until it fails, open another: Redis
+        restarting, a failover, a read that stalls past the stall bound."""
         pool = self._reader.connection_pool
         loop = asyncio.get_running_loop()
-        conn = None
         while True:
-            stop_if_cancelled()  # a read returns within BLOCK_MS: a swallowed stop lands here
-            if not self._subs:
-                self._changed.clear()
-                await self._changed.wait()
+            conn = None
             try:
-                if conn is None:
-                    conn = await pool.get_connection()
-                # Sent and read without an await between building the command and marking the
-                # read in flight: a subscription either is in this command or sees _reading.
-                command = self._command()
-                self._wake_sent = False
-                self._reading = True
-                try:
-                    sent_at = loop.time()
-                    await conn.send_packed_command(command, check_health=False)
-                    reply = await conn.read_response(disable_decoding=True)
-                finally:
-                    self._reading = False
-            except (redis.RedisError, OSError) as exc:  # Redis restarting: keep trying
+                conn = await pool.get_connection()
+                lost: asyncio.Future[None] = loop.create_future()
+                transport = conn._writer.transport
+                transport.set_protocol(_ReadProtocol(self._on_reply, lost))
+                self._transport = transport
+                self._send()
+                await self._watch(lost)
+            except (redis.RedisError, OSError) as exc:
                 log.warning("stream hub: XREAD failed (%s); retrying", exc)
+            except Exception:  # a reply it cannot parse, a bug: still no process without reads
+                log.exception("stream hub: the read connection failed; retrying")
+            finally:
+                self._reading = False
+                if self._gather is not None:
+                    self._gather.cancel()
+                    self._gather = None
+                if self._transport is not None:
+                    self._transport.abort()
+                    self._transport = None
                 if conn is not None:
                     with suppress(Exception):
-                        await conn.disconnect()
+                        await conn.disconnect(nowait=True)
                     with suppress(Exception):
                         await pool.release(conn)
-                    conn = None
-                await asyncio.sleep(RETRY_S)
-                continue
-            if reply:
-                self._dispatch(reply)
-                # A read that found its entries waiting means writes land faster than reads: the
-                # next one waits for more to land (the readers just woken run meanwhile), so many
-                # workers' steps cost a read or two each, not one for every few streams. A read
-                # that blocked was woken by one worker's step, which is one script: the rest of
-                # it is there now (even if the woken read's reply named only some of its
-                # streams), and a wait would be one more wake-up a step for nothing.
-                if loop.time() - sent_at < READ_GATHER_S:
-                    await asyncio.sleep(READ_GATHER_S)
+            await asyncio.sleep(RETRY_S)
+
+    async def _watch(self, lost: asyncio.Future[None]) -> None:
+        """Until the connection is lost (its error raised here), looking every few seconds for
+        a read that has waited past the block and the stall bound (a Redis that stopped
+        answering, or a host gone without a word)."""
+        loop = asyncio.get_running_loop()
+        bound = BLOCK_MS / 1000 + self._stall_s
+        while True:
+            done, _ = await asyncio.wait([lost], timeout=min(bound, STALL_CHECK_S))
+            if done:
+                lost.result()
+                return
+            if self._reading and loop.time() - self._sent_at > bound:
+                raise redis.TimeoutError(f"no reply to XREAD in {bound:g}s")
 
     def _dispatch(self, reply: list[Any] | dict[bytes, Any]) -> None:
         """The reply's entries to their feeds: RESP2 answers a list of [key, entries], RESP3 a
