@@ -110,7 +110,6 @@ def test_a_stream_subscribed_while_a_read_blocks_wakes_it(
 def test_a_feed_wait_ends_at_its_deadline_or_with_entries_and_leaves_nothing_behind() -> None:
     async def run() -> tuple[bool, bool, int, int]:
         deadlines = Deadlines()
-        ticker = asyncio.ensure_future(deadlines.run())
         feed = Feed(deadlines)
         try:
             empty = await feed.wait(0.01)  # nothing comes: its deadline ends it
@@ -118,9 +117,28 @@ def test_a_feed_wait_ends_at_its_deadline_or_with_entries_and_leaves_nothing_beh
             came = await feed.wait(60.0)  # entries end it long before its deadline
             return empty, came, len(feed.take()), len(deadlines._waiting)
         finally:
-            ticker.cancel()
+            deadlines.close()
 
     assert asyncio.run(asyncio.wait_for(run(), 60)) == (False, True, 1, 0)
+
+
+def test_a_short_wait_added_after_a_long_one_still_ends_at_its_own_deadline() -> None:
+    """The long wait planned the deadlines' one timer a minute out; the short one re-plans it
+    (else it would wait the minute)."""
+
+    async def run() -> tuple[bool, int]:
+        deadlines = Deadlines()
+        long_feed, short_feed = Feed(deadlines), Feed(deadlines)
+        long_wait = asyncio.ensure_future(long_feed.wait(60.0))
+        await asyncio.sleep(0)  # the long wait is in, its deadline planned
+        try:
+            came = await asyncio.wait_for(short_feed.wait(0.05), 30.0)
+            return came, len(deadlines._waiting)
+        finally:
+            long_wait.cancel()
+            deadlines.close()
+
+    assert asyncio.run(run()) == (False, 1)  # the long one still waits
 
 
 # --- decoding ---------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import uuid
 from collections.abc import Callable
 from contextlib import suppress
@@ -67,29 +68,46 @@ def _bulk(value: bytes) -> bytes:
 
 
 class Deadlines:
-    """The feeds waiting with a deadline, woken at it (at most TICK_S late) by one task: a timer
-    of the loop's per wait, set and cancelled for every read's worth of events, cost more than
-    the wait itself."""
+    """The feeds waiting with a deadline, woken at it (at most TICK_S late) by one timer of the
+    loop, planned for the earliest deadline and passes at least TICK_S apart: a timer per wait,
+    set and cancelled for every read's worth of events, cost more than the wait itself, and a
+    fixed tick woke the process ten times a second for deadlines a second away."""
 
     def __init__(self) -> None:
         self._waiting: dict[Feed, float] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._at = math.inf  # when the planned pass runs (inf: none is planned)
+        self._last = -math.inf  # when the last pass ran
 
     def add(self, feed: Feed, deadline: float) -> None:
         self._waiting[feed] = deadline
+        if deadline + TICK_S < self._at:  # the pass planned would wake it too late
+            self._plan(deadline)
 
     def discard(self, feed: Feed) -> None:
         self._waiting.pop(feed, None)
 
-    async def run(self) -> None:
-        """Wake every feed past its deadline, every TICK_S, until cancelled."""
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(TICK_S)
-            now = loop.time()
-            due = [feed for feed, deadline in self._waiting.items() if deadline <= now]
-            for feed in due:
-                del self._waiting[feed]
-                feed.wake()
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._at = None, math.inf
+
+    def _plan(self, deadline: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._at = max(deadline, self._last + TICK_S)
+        self._timer = asyncio.get_running_loop().call_at(self._at, self._pass)
+
+    def _pass(self) -> None:
+        """Wake every feed past its deadline; plan the next pass for the earliest left."""
+        now = asyncio.get_running_loop().time()
+        self._timer, self._at, self._last = None, math.inf, now
+        due = [feed for feed, deadline in self._waiting.items() if deadline <= now]
+        for feed in due:
+            del self._waiting[feed]
+            feed.wake()
+        if self._waiting:
+            self._plan(min(self._waiting.values()))
 
 
 class Feed:
@@ -189,7 +207,6 @@ class StreamHub:
         self._wake = self._writer.register_script(WAKE_LUA)
         self._task: asyncio.Task[None] | None = None
         self._deadlines = Deadlines()
-        self._ticker: asyncio.Task[None] | None = None
         self._transport: asyncio.Transport | None = None
         # A read is in flight, and it names every stream subscribed before it was sent; a wake
         # is on its way to it (one wake brings it back for every subscription made meanwhile);
@@ -201,14 +218,13 @@ class StreamHub:
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="stream-hub")
-        self._ticker = asyncio.create_task(self._deadlines.run(), name="stream-hub-deadlines")
 
     async def stop(self) -> None:
-        for task in (self._task, self._ticker):
-            if task is not None:
-                task.cancel()
-                with suppress(asyncio.CancelledError):
-                    await task
+        if self._task is not None:
+            self._task.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._task
+        self._deadlines.close()
         if self._own_batch:
             await self._batch.stop()
         with suppress(redis.RedisError):
