@@ -187,17 +187,27 @@ class RedisBatch:
         conn = self._conn
         try:
             # A failed write may have reached Redis in part: from here nothing is sent again
-            # but what Redis refused.
-            await conn.send_packed_command(b"".join([c.packed for c in calls]), check_health=False)
-            # One stall bound for the whole write's replies (a read's own would cost a timeout
-            # context a reply): math.inf tells redis-py not to set its own.
+            # but what Redis refused. One stall bound covers the write and all its replies (a
+            # read's own would cost a timeout context a reply: math.inf tells redis-py not to
+            # set its own); the write goes straight to the connection's stream (redis-py's send
+            # wraps it in a task and a timer of its own).
             async with asyncio.timeout(conn.socket_timeout):
+                conn._writer.write(b"".join([c.packed for c in calls]))
+                await conn._writer.drain()
                 await self._replies(conn, calls, again)
         except (TimeoutError, redis.RedisError, OSError) as exc:
             if isinstance(exc, TimeoutError) and not isinstance(exc, redis.RedisError):
                 exc = redis.TimeoutError("Timeout reading the command batch's replies")
+            elif isinstance(exc, OSError):
+                exc = redis.ConnectionError(f"Error writing the command batch: {exc!r}")
             going = {id(c) for c in again}  # not run: they go again, not fail
             await self._fail([c for c in calls if id(c) not in going], exc)
+            # Replies still due on it must never be read as a later write's.
+            self._conn = None
+            with suppress(Exception):
+                await conn.disconnect(nowait=True)
+            with suppress(Exception):
+                await self._pool.release(conn)
             return again
         self._conn = None
         await self._pool.release(conn)
