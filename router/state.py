@@ -34,8 +34,9 @@ class RouterState:
     placer: Placer  # where each admitted prompt goes (router.placement.place)
 
 
-def get_state(request: Request) -> RouterState:
-    """FastAPI dependency."""
+async def get_state(request: Request) -> RouterState:
+    """FastAPI dependency (async: FastAPI runs a plain function's in a worker thread, a trip of
+    two context switches a request)."""
     return request.app.state.router
 
 
