@@ -3,15 +3,22 @@ anything with a grammar, logprobs, a template of its own or a long prompt goes t
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
+from router.admission.admit import AdmissionContext
 from router.admission.inline import INLINE_PROMPT_SIZE, admits_inline
-from router.admission.tokenization import TokenizerPool
+from router.admission.tokenization import TokenizerPool, load_tokenizer
 from router.edge.openai_types import ChatCompletionRequest, CompletionRequest
+from router.pool_view.model_catalog import LIVE_CACHE_S, ModelCatalog
+from shared.block_hash import BlockHasher
 
 SHORT = "Say hello."
+MODEL = "inline-model"
 LONG = "x" * (INLINE_PROMPT_SIZE + 1)
 
 
@@ -67,3 +74,36 @@ def test_a_tokenizer_pool_with_every_copy_out_is_not_idle() -> None:
     with pool.borrow(), pool.borrow():
         assert not pool.idle()
     assert pool.idle()
+
+
+def test_a_steady_load_keeps_the_roster_view_fresh_and_a_light_one_reads_it_once(
+    tiny_model_dir: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ModelCatalog.ready admits on the loop only with the roster's view fresh. A view past half
+    its life is read again in the background (a request soon after finds it fresh); an expired
+    one is left to the request's own admission in a thread, not read a second time."""
+    catalog = ModelCatalog(
+        AdmissionContext(MODEL, load_tokenizer(tiny_model_dir), 16),
+        0,
+        redis.Redis.from_url(redis_url),
+        BlockHasher(16),
+        1,
+    )
+    reads: list[float] = []
+    read_live = catalog._read_live
+    monkeypatch.setattr(catalog, "_read_live", lambda: reads.append(1) or read_live())
+
+    async def run() -> list[tuple[bool, int]]:
+        seen = [(catalog.ready(MODEL), len(reads))]  # never read: expired, left to the request
+        await asyncio.sleep(0.05)
+        catalog.live()  # what that request's admission reads
+        seen.append((catalog.ready(MODEL), len(reads)))
+        catalog._live_at -= LIVE_CACHE_S * 0.6  # past half its life
+        seen.append((catalog.ready(MODEL), len(reads)))
+        while catalog._refresh is not None:
+            await asyncio.sleep(0.01)
+        seen.append((catalog.ready(MODEL), len(reads)))
+        await catalog.stop()
+        return seen
+
+    assert asyncio.run(run()) == [(False, 0), (True, 1), (False, 1), (True, 2)]

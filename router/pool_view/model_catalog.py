@@ -164,11 +164,13 @@ class ModelCatalog:
         ctx = self.primary if model_id == self.primary.model_id else self._others.get(model_id)
         if ctx is None or not ctx.tokenizer.pool.idle():
             return False
-        if time.monotonic() - self._live_at < LIVE_CACHE_S / 2:
+        age = time.monotonic() - self._live_at
+        if age < LIVE_CACHE_S / 2:
             return True
         # Past half its life the view is read again in a thread now, not by the first request
-        # that finds it expired: under steady load every request finds it fresh.
-        if self._refresh is None:
+        # that finds it expired: under steady load every request finds it fresh. An expired
+        # one is read by this request's own admission (a light load's), not twice.
+        if self._refresh is None and age < LIVE_CACHE_S:
             self._refresh = asyncio.get_running_loop().create_task(self._refresh_live())
         return False
 
