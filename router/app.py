@@ -22,6 +22,7 @@ from fastapi import FastAPI
 
 from router.admission.admit import AdmissionContext
 from router.admission.tokenization import load_tokenizer
+from router.edge import server_tick
 from router.edge.auth import install_auth, load_access
 from router.edge.body_limit import BodyLimit
 from router.edge.busy_gate import BusyGateMiddleware
@@ -196,6 +197,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
+    server_tick.install()  # uvicorn's Server of this process (the factory runs in each)
     app = FastAPI(title="mlxcel-pool router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.settings = settings if settings is not None else settings_from_env()
     install_error_handlers(app)
