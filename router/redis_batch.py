@@ -197,17 +197,13 @@ class RedisBatch:
                 await self._replies(conn, calls, again)
         except (TimeoutError, redis.RedisError, OSError) as exc:
             if isinstance(exc, TimeoutError) and not isinstance(exc, redis.RedisError):
-                exc = redis.TimeoutError("Timeout reading the command batch's replies")
+                exc = redis.TimeoutError("Timeout writing the command batch or reading its replies")
             elif isinstance(exc, OSError):
                 exc = redis.ConnectionError(f"Error writing the command batch: {exc!r}")
             going = {id(c) for c in again}  # not run: they go again, not fail
+            # _fail drops the connection: replies still due on it are never read as a later
+            # write's.
             await self._fail([c for c in calls if id(c) not in going], exc)
-            # Replies still due on it must never be read as a later write's.
-            self._conn = None
-            with suppress(Exception):
-                await conn.disconnect(nowait=True)
-            with suppress(Exception):
-                await self._pool.release(conn)
             return again
         self._conn = None
         await self._pool.release(conn)

@@ -10,10 +10,12 @@ at once, so a shutdown starts as promptly as with uvicorn's own loop.
 from __future__ import annotations
 
 import asyncio
+import signal
+import threading
 from contextlib import suppress
 from types import FrameType
 
-from uvicorn.server import Server
+from uvicorn.server import HANDLED_SIGNALS, Server
 
 # uvicorn's on_tick counts tenths of a second (the Date header every tenth count).
 TICKS_A_PASS = 10
@@ -26,6 +28,7 @@ async def _main_loop(self: Server) -> None:
     loop = asyncio.get_running_loop()
     wake = asyncio.Event()
     self._mlxcel_wake = (loop, wake)  # type: ignore[attr-defined]
+    _handle_signals_here(self)
     counter = 0
     should_exit = await self.on_tick(counter)
     while not should_exit:
@@ -43,6 +46,17 @@ def _handle_exit(self: Server, sig: int, frame: FrameType | None) -> None:
     if woken is not None:  # a signal handler: the thread-safe call is the safe one here
         loop, wake = woken
         loop.call_soon_threadsafe(wake.set)
+
+
+def _handle_signals_here(server: Server) -> None:
+    """uvicorn registers the server's handle_exit for its signals before it loads the app (whose
+    factory installs this module), so the handler it holds is its own: point each at ours. It
+    puts the process's own handlers back when the server ends, as before."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # uvicorn registers no handler off the main thread
+    for sig in HANDLED_SIGNALS:
+        if getattr(signal.getsignal(sig), "__self__", None) is server:
+            signal.signal(sig, server.handle_exit)
 
 
 def install() -> None:

@@ -47,6 +47,9 @@ READ_GATHER_S = 0.002
 # How often the read connection is looked at for a reply overdue past its block and the stall
 # bound (a few wake-ups a minute: the reads themselves are timed by nothing).
 STALL_CHECK_S = 5.0
+# How early a deadline counts as reached: uvloop rounds a timer's delay down to whole
+# milliseconds, so the pass planned for a deadline can run just before it.
+DUE_SLACK_S = 0.002
 # How late a reader waiting for its stream's next entries may learn that its wait is over.
 TICK_S = 0.1
 
@@ -102,7 +105,7 @@ class Deadlines:
         """Wake every feed past its deadline; plan the next pass for the earliest left."""
         now = asyncio.get_running_loop().time()
         self._timer, self._at, self._last = None, math.inf, now
-        due = [feed for feed, deadline in self._waiting.items() if deadline <= now]
+        due = [f for f, deadline in self._waiting.items() if deadline <= now + DUE_SLACK_S]
         for feed in due:
             del self._waiting[feed]
             feed.wake()
@@ -202,7 +205,9 @@ class StreamHub:
         self._wake_key = keys.router_wake(uuid.uuid4().hex)
         self._wake_bkey = self._wake_key.encode()
         self._wake_arg = _bulk(self._wake_bkey)
-        self._wake_id_arg = _bulk(b"$")
+        # From the start: the wake stream is this hub's alone (a new id), and a wake that Redis
+        # applies before the read it was meant for is still read.
+        self._wake_id_arg = _bulk(b"0-0")
         self._subs: dict[bytes, _Subscription] = {}
         self._wake = self._writer.register_script(WAKE_LUA)
         self._task: asyncio.Task[None] | None = None
@@ -306,9 +311,9 @@ class StreamHub:
         loop = asyncio.get_running_loop()
         while True:
             conn = None
+            lost: asyncio.Future[None] = loop.create_future()
             try:
                 conn = await pool.get_connection()
-                lost: asyncio.Future[None] = loop.create_future()
                 transport = conn._writer.transport
                 transport.set_protocol(_ReadProtocol(self._on_reply, lost))
                 self._transport = transport
@@ -323,6 +328,8 @@ class StreamHub:
                 if self._gather is not None:
                     self._gather.cancel()
                     self._gather = None
+                if not lost.done():  # the abort's own connection_lost is no news to anyone
+                    lost.cancel()
                 if self._transport is not None:
                     self._transport.abort()
                     self._transport = None
