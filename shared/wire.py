@@ -378,17 +378,25 @@ class StreamEvent:
         "stop_str": (str, type(None)),
     }
 
-    # As GenerationRequest's: a router from before prompt_logprobs reads every event of a
-    # request that does not ask for them.
-    OMITTED_AT_DEFAULT: ClassVar[dict[str, Any]] = {
-        "prompt_logprobs": [],
-        "stop_str": None,
-        "written_ms": 0,
-    }
+    # Every field but `kind` is left out at its default: a delta goes as its kind, seq, text
+    # and token ids (4 of 15 fields), which the router unpacks once per token, and every
+    # reader since the first fills what is absent with its default (from_wire builds the
+    # dataclass from what is there), a router from before the newer fields included.
+    OMITTED_AT_DEFAULT: ClassVar[dict[str, Any]] = {}  # filled below the class
 
     def to_wire(self) -> bytes:
-        # Packed once per token: a shallow copy of the instance dict, not asdict's deep one.
-        return pack(_without_defaults(vars(self), self.OMITTED_AT_DEFAULT))
+        # Packed once per token: the fields that differ from their defaults, not asdict's deep
+        # copy of all of them.
+        omitted = self.OMITTED_AT_DEFAULT
+        return pack(
+            {
+                name: value
+                for name, value in vars(self).items()
+                if name not in omitted
+                or value != (default := omitted[name])
+                or type(value) is not type(default)
+            }
+        )
 
     @classmethod
     def from_wire(cls, data: bytes) -> StreamEvent:
@@ -409,6 +417,13 @@ class StreamEvent:
                 f"entries (finite floats, ids >= 0, at most {MAX_TOP_LOGPROBS} alternatives)"
             )
         return ev
+
+
+StreamEvent.OMITTED_AT_DEFAULT = {
+    f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+    for f in dataclasses.fields(StreamEvent)
+    if f.name != "kind"
+}
 
 
 def _finite_floats(values: list[Any]) -> bool:

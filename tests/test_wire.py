@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from router.relay.event_decode import decode_event
 from shared.wire import (
     MAX_GRAMMAR_BYTES,
     MAX_GROUP_CHARS,
@@ -432,3 +433,17 @@ def test_newer_fields_stay_off_the_wire_at_their_default() -> None:
     assert "prompt_logprobs" not in unpack(StreamEvent(kind="delta", text="x").to_wire())
     start = StreamEvent(kind="start", prompt_logprobs=[[-0.5, [], []]])
     assert StreamEvent.from_wire(start.to_wire()) == start
+
+
+def test_an_event_goes_with_only_its_fields_that_differ_from_their_defaults() -> None:
+    """A delta, the one message a token costs, is its kind, seq, text and token ids on the wire;
+    the reader (from_wire, and the router's decode) fills the rest with their defaults."""
+    delta = StreamEvent(kind="delta", seq=7, text=" to", token_ids=[5])
+    assert unpack(delta.to_wire()) == {"kind": "delta", "seq": 7, "text": " to", "token_ids": [5]}
+    done = StreamEvent(kind="done", seq=9, finish_reason="length", completion_tokens=8)
+    assert set(unpack(done.to_wire())) == {"kind", "seq", "finish_reason", "completion_tokens"}
+    first = StreamEvent(kind="start")  # seq 0, no worker id: only its kind
+    assert unpack(first.to_wire()) == {"kind": "start"}
+    for ev in (delta, done, first):
+        assert StreamEvent.from_wire(ev.to_wire()) == ev
+        assert decode_event(ev.to_wire()) == ev
