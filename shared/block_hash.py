@@ -49,12 +49,17 @@ class BlockHasher:
 
     def chain(self, tokens: Sequence[int], seed: bytes = b"") -> list[bytes]:
         """The chained hash of every *full* block of `tokens` (a partial tail has no hash)."""
-        bs = self.block_size
+        # The full blocks' tokens as int64 bytes in one conversion, then a slice a block: the
+        # same bytes as an array a block, with one conversion a prompt instead of one a block
+        # (the router hashes every prompt it admits).
+        full = len(tokens) - len(tokens) % self.block_size
+        raw = array("q", tokens[:full]).tobytes()
+        step = 8 * self.block_size  # an int64 a token
+        new = getattr(hashlib, self.algo)
         out: list[bytes] = []
         parent = seed
-        for start in range(0, len(tokens) - bs + 1, bs):
-            block = array("q", tokens[start : start + bs]).tobytes()
-            parent = hashlib.new(self.algo, parent + block).digest()
+        for start in range(0, len(raw), step):
+            parent = new(parent + raw[start : start + step]).digest()
             out.append(parent)
         return out
 

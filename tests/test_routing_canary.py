@@ -4,6 +4,7 @@ process and a real Redis; the router's side on the same records a worker writes.
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -48,3 +49,24 @@ def test_a_worker_and_this_router_agree_and_a_mismatch_stops_the_router(
             check_against_workers(r, MODEL, other)
     finally:
         w.stop()
+
+
+@pytest.mark.parametrize(
+    ("algo", "block_size", "count", "digest", "blocks"),
+    [
+        ("sha256", 16, 48, "1fb1a4a5df53b1a1", 3),
+        ("sha1", 16, 48, "33d4272d56c98b53", 3),
+        ("blake2b", 16, 48, "13651514cacdb2dc", 3),
+        ("sha256", 5, 23, "324c756b64455ae0", 4),  # a partial tail: no hash of its own
+    ],
+)
+def test_the_block_chain_hashes_as_every_release_has(
+    algo: str, block_size: int, count: int, digest: str, blocks: int
+) -> None:
+    """Routers and workers of two releases share one index while an upgrade rolls: the chain's
+    bytes are pinned (each block: its parent's hash, then its tokens as little-endian int64)."""
+    tokens = list(range(-3, -3 + count))
+    seed = b"m\x00\x00" if block_size == 16 else b""
+    chain = BlockHasher(block_size, algo).chain(tokens, seed)
+    assert len(chain) == blocks
+    assert hashlib.sha256(b"".join(chain)).hexdigest()[:16] == digest
