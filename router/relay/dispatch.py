@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import AsyncIterator
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -183,8 +183,14 @@ class Dispatcher:
         try:
             while True:
                 lost: StreamEvent | None = None
-                async with aclosing(self._read(attempt, disconnected, not streamed)) as reader:
+                async with self._watching(attempt, disconnected, not streamed) as reader:
                     async for batch in reader:
+                        if batch[0].kind == "delta" and batch[-1].kind == "delta":
+                            # Only deltas (a start is an attempt's first event, and a `done`
+                            # or an `error` its last): relayed as they are, with no scan.
+                            relayed_tokens = relayed_tokens or streamed
+                            yield batch
+                            continue
                         last = False
                         for i, event in enumerate(batch):
                             kind = event.kind
@@ -246,9 +252,12 @@ class Dispatcher:
         await self.enqueue(again)
         return Attempt(again, number=lost.number + 1)
 
-    async def _read(
+    @asynccontextmanager
+    async def _watching(
         self, attempt: Attempt, disconnected: Disconnected | None, in_flow: bool
-    ) -> AsyncIterator[list[StreamEvent]]:
+    ) -> AsyncIterator[AsyncIterator[list[StreamEvent]]]:
+        """The attempt's stream subscribed and watched, its batches iterated by the caller
+        itself (a generator of their own here would be one more hop a read), and let go."""
         stream = keys.request_stream(attempt.job_id)
         feed = await self.hub.subscribe(stream)
         watch = Watch(
@@ -261,8 +270,8 @@ class Dispatcher:
             unread=lambda: self._unread(attempt),
         )
         try:
-            async for batch in watch.batches():
-                yield batch
+            async with aclosing(watch.batches()) as batches:
+                yield batches
         finally:
             self.hub.unsubscribe(stream)
 

@@ -153,7 +153,7 @@ async def _chunks(
                 sent = len(tools.calls) if tools is not None else 0
                 text, calls = progress.on_event(ev)
                 if text or calls:
-                    lp = _unsent_logprobs(renderer, progress)
+                    lp = None if renderer is None else _unsent_logprobs(renderer, progress)
                     if lp is None and not calls:
                         out.append(text_chunk(text))
                     else:

@@ -60,8 +60,8 @@ class ChoiceProgress:
     def on_event(self, ev: StreamEvent) -> tuple[str, list[dict[str, Any]]]:
         """Fold one event in; returns the content text and the tool calls it completes (a
         `done` flushes what the tool-call splitter held)."""
-        now = time.time()
         if ev.kind == "start":  # an attempt begins: a lost one's text (never sent) is dropped
+            now = time.time()
             again, self.started = self.started, True
             self.text.clear()
             self.logprobs.clear()
@@ -79,11 +79,12 @@ class ChoiceProgress:
             stream = self.tool_stream
             text, calls = (ev.text, []) if stream is None else stream.feed(ev.text)
             self.text.append(text)
-            if self.first_token_at is None:
-                self.first_token_at = now
+            if self.first_token_at is None:  # the clock is read for the first token alone
+                now = self.first_token_at = time.time()
                 self.timings.first_token(now, ev.written_ms)
             return text, calls
         elif ev.kind == "done":
+            now = time.time()
             text, calls = ("", []) if self.tool_stream is None else self.tool_stream.finish()
             self.text.append(text)
             self.finish_reason = ev.finish_reason or "stop"
