@@ -379,9 +379,9 @@ class StreamEvent:
     }
 
     # Every field but `kind` is left out at its default: a delta goes as its kind, seq, text
-    # and token ids (4 of 15 fields), which the router unpacks once per token, and every
-    # reader since the first fills what is absent with its default (from_wire builds the
-    # dataclass from what is there), a router from before the newer fields included.
+    # and token ids (4 of 15 fields), which the router unpacks once per token. Every release
+    # that reads `seq` fills what is absent with its default (from_wire builds the dataclass
+    # from what is there), a router from before the newer fields included.
     OMITTED_AT_DEFAULT: ClassVar[dict[str, Any]] = {}  # filled below the class
 
     def to_wire(self) -> bytes:

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
 from router.edge.openai_types import ResponseFormat
-from router.relay import stream_hub
+from router.relay import event_decode, stream_hub
 from router.relay.event_decode import decode_entry, decode_event, entry_ms
 from router.relay.openai_render import chunk_writer, text_chunk_writer
 from router.relay.stream_hub import Deadlines, Feed, StreamHub
@@ -191,9 +191,11 @@ def _as_decoded(event: StreamEvent) -> StreamEvent | str:
 @settings(max_examples=300, deadline=None)
 @given(_worker_events())
 def test_an_event_decodes_as_from_wire_decodes_it(event: StreamEvent) -> None:
+    event_decode._shapes.clear()  # each example's shape new, then known (the cache is bounded)
     data = event.to_wire()
     for _ in range(2):  # the second time its shape is known
         assert decode_event(data) == StreamEvent.from_wire(data) == event
+    assert len(event_decode._shapes) == 1
 
 
 _NEAR_VALUES = st.one_of(
@@ -219,6 +221,7 @@ def test_a_near_miss_decodes_as_from_wire_decodes_it(
     """A worker's event with some fields swapped for values of any type: whatever from_wire
     makes of it (an event, or an error), decode_event makes too, before and after the shape of
     the same fields with the right types is known."""
+    event_decode._shapes.clear()
     message = {**msgpack.unpackb(event.to_wire()), **changes}
     data = msgpack.packb(message, use_bin_type=True)
     good = event.to_wire()
@@ -241,8 +244,10 @@ def test_a_near_miss_decodes_as_from_wire_decodes_it(
     ],
 )
 def test_a_bad_entry_of_a_known_shape_is_the_error_from_wire_gives(data: bytes) -> None:
+    event_decode._shapes.clear()
     ok = msgpack.packb({"kind": "delta", "seq": 0, "text": "a", "token_ids": [1]})
     decode_event(ok)  # the shape of the last three, with good values, is known
+    assert len(event_decode._shapes) == 1
     assert _as_decoded(decode_event(data)) == _from_wire_or_error(data)
     assert isinstance(_from_wire_or_error(data), str)
 

@@ -16,8 +16,9 @@ from shared.errors import ErrorKind
 from shared.wire import STREAM_FIELD, StreamEvent, WireError, unpack
 
 Shape = tuple[tuple[str, ...], tuple[type, ...]]
-# Shapes are few (a worker writes three or four); the bound only keeps odd writers from growing it.
-MAX_SHAPES = 64
+# Shapes are few (an event's fields at their defaults are left off the wire, so a worker writes a
+# score or two of them); the bound only keeps odd writers from growing the cache.
+MAX_SHAPES = 256
 # A shape from_wire took -> the fields it lacks: those with a scalar default, and those whose
 # default is a list (each event gets a new one, as the dataclass makes them).
 _shapes: dict[Shape, tuple[dict[str, Any], tuple[str, ...]]] = {}
