@@ -20,6 +20,8 @@ from typing import IO, Any
 import psutil
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from mlxcel_pool.redis_server import free_port
 from shared.config import ENV_VARS
@@ -136,8 +138,8 @@ def test_redis_command_needs_its_password_and_stops_on_sigint(
     url = _mlxcel("redis-url", "--port", str(port), env=env).stdout.strip()
     assert url == f"redis://mlxcel:{password}@127.0.0.1:{port}/0"
     assert redis.Redis.from_url(url).ping()
-    with pytest.raises(redis.AuthenticationError):
-        redis.Redis(port=port).ping()
+    with pytest.raises(redis.AuthenticationError):  # asked once: no retry's backoff
+        redis.Redis(port=port, retry=Retry(NoBackoff(), 0)).ping()
 
     assert _mlxcel("wait-redis", "--timeout", "5", env={**env, "REDIS_URL": url}).returncode == 0
     wrong = f"redis://mlxcel:not-{password}@127.0.0.1:{port}/0"

@@ -17,6 +17,8 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from mlxcel_pool.redis_server import (
     ADMIN_USER,
@@ -111,8 +113,14 @@ def test_the_pools_user_is_refused_every_dangerous_command_but_the_few_it_needs(
     assert admin.config_get("dir")["dir"] == own_redis.workdir
     # `default` is off: a client that names no user is refused, whatever password it sends.
     for password in (own_redis.password, own_redis.admin_password):
-        with pytest.raises(redis.AuthenticationError):
-            redis.Redis(port=own_redis.port, password=password, socket_timeout=5).ping()
+        with pytest.raises(redis.AuthenticationError):  # asked once: no retry's backoff
+            refused = redis.Redis(
+                port=own_redis.port,
+                password=password,
+                socket_timeout=5,
+                retry=Retry(NoBackoff(), 0),
+            )
+            refused.ping()
     assert own_redis.admin_password != own_redis.password
     config = acl_config(own_redis.password, own_redis.admin_password)
     assert {w.removeprefix("+client|") for w in config.split() if w.startswith("+client|")} == (

@@ -10,6 +10,8 @@ from pathlib import Path
 import psutil
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from mlxcel_pool.redis_server import RedisServerError, start_redis
 from shared.config import ConfigError, load_settings
@@ -77,6 +79,9 @@ def test_a_password_file_it_did_not_write_is_refused(tmp_path: Path) -> None:
 # --- the embedded server -----------------------------------------------------------------------
 
 
+ONCE = Retry(NoBackoff(), 0)  # a refused login asked once, not retried
+
+
 def test_the_embedded_redis_needs_the_password_it_was_given(tmp_path: Path) -> None:
     password = embedded_password(tmp_path)
     server = start_redis(password=password)
@@ -84,12 +89,13 @@ def test_the_embedded_redis_needs_the_password_it_was_given(tmp_path: Path) -> N
         assert server.url == f"redis://mlxcel:{password}@127.0.0.1:{server.port}/0"
         assert server.masked_url == f"redis://mlxcel:***@127.0.0.1:{server.port}/0"
         assert redis.Redis.from_url(server.url).ping()
+        # Refusals, each asked once (redis-py retries a refused login with a backoff).
         with pytest.raises(redis.AuthenticationError):
-            redis.Redis(port=server.port).ping()
+            redis.Redis(port=server.port, retry=ONCE).ping()
         with pytest.raises(redis.AuthenticationError):
-            redis.Redis(port=server.port, password="guess").ping()
+            redis.Redis(port=server.port, password="guess", retry=ONCE).ping()
         with pytest.raises(redis.AuthenticationError):  # the `default` user is off
-            redis.Redis(port=server.port, password=password).ping()
+            redis.Redis(port=server.port, password=password, retry=ONCE).ping()
         # The password is in a private config file, not on the command line anyone can read.
         cmdline = psutil.Process(server.process.pid).cmdline()
         assert not any(password in arg or server.admin_password in arg for arg in cmdline)
