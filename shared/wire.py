@@ -79,8 +79,9 @@ def _unpack_message(cls: type, data: Any) -> Any:
 
 
 def _without_defaults(fields: dict[str, Any], omitted: dict[str, Any]) -> dict[str, Any]:
-    """`fields` (shallow-copied) without the newer fields that hold their default: a peer from
-    before them reads every message that does not use them (a rolling upgrade mixes versions)."""
+    """`fields` (shallow-copied) without those of `omitted` that hold their default: a peer from
+    before a newer field reads every message that does not use it (a rolling upgrade mixes
+    versions), and a stream event is that much smaller."""
     out = dict(fields)
     for name, default in omitted.items():
         if out[name] == default and type(out[name]) is type(default):
@@ -385,18 +386,8 @@ class StreamEvent:
     OMITTED_AT_DEFAULT: ClassVar[dict[str, Any]] = {}  # filled below the class
 
     def to_wire(self) -> bytes:
-        # Packed once per token: the fields that differ from their defaults, not asdict's deep
-        # copy of all of them.
-        omitted = self.OMITTED_AT_DEFAULT
-        return pack(
-            {
-                name: value
-                for name, value in vars(self).items()
-                if name not in omitted
-                or value != (default := omitted[name])
-                or type(value) is not type(default)
-            }
-        )
+        # Packed once per token: a shallow copy of the instance dict, not asdict's deep one.
+        return pack(_without_defaults(vars(self), self.OMITTED_AT_DEFAULT))
 
     @classmethod
     def from_wire(cls, data: bytes) -> StreamEvent:
