@@ -12,8 +12,12 @@ STAMP := $(VENV)/.mlxcel-installed
 run: install
 	$(VENV)/bin/mlxcel-pool up $(UP_ARGS)
 
+# Test files on TEST_JOBS processes (pytest-xdist), each file whole on one of them: most of the
+# suite's time is fault tests waiting out real thresholds, which overlap. TEST_JOBS=0: one process.
+TEST_JOBS ?= 2
+
 test: install
-	@rc=0; $(PY) -m pytest -q $(PYTEST_ARGS) || rc=$$?; \
+	@rc=0; $(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; \
 	exit $$rc
 
