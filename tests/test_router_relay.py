@@ -256,6 +256,36 @@ def test_worker_error_event_is_a_server_error(
     assert "out of memory" in resp.json()["error"]["message"]
 
 
+def take_jobs(r: redis.Redis, n: int, timeout: float = 5.0) -> list[GenerationRequest]:
+    """The router's n jobs in the shared queue (one request's choices), in its order."""
+    queue = Queue(SHARED_QUEUE, connection=r, serializer=MsgpackSerializer)
+    deadline = time.monotonic() + timeout
+    while len(queue.job_ids) < n:
+        assert time.monotonic() < deadline, f"{len(queue.job_ids)} of {n} jobs were enqueued"
+        time.sleep(0.02)
+    jobs = [Job.fetch(i, connection=r, serializer=MsgpackSerializer) for i in queue.job_ids]
+    return [GenerationRequest.from_wire(job.kwargs["request"]) for job in jobs]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_choice_that_fails_first_lets_every_other_choice_go(
+    router_url: str, r: redis.Redis, pool: ThreadPoolExecutor, model_id: str, stream: bool
+) -> None:
+    """n choices, the first of which fails before any event of the others: the answer is the
+    error, and no other choice is left running for nobody or holding its place in the pool."""
+    body = {"model": model_id, "prompt": "x", "n": 3, "stream": stream}
+    fut = pool.submit(post, router_url, "/v1/completions", body)
+    reqs = take_jobs(r, 3)
+    assert r.zcard(keys.admission_inflight()) == 3
+    (first,) = [q for q in reqs if q.request_id == q.group]  # the first choice names the group
+    play(r, first, StreamEvent(kind="error", error="out of memory", error_type="MemoryError"))
+    resp = fut.result(15)
+    assert resp.status_code == 500 and "out of memory" in resp.json()["error"]["message"]
+    wait_for(lambda: r.zcard(keys.admission_inflight()) == 0)
+    others = [q for q in reqs if q is not first]
+    wait_for(lambda: all(r.get(keys.request_cancel(q.request_id)) == b"1" for q in others))
+
+
 def _fail(r: redis.Redis, job: Job) -> None:
     Result.create_failure(job, ttl=60, exc_string="Traceback...\nRuntimeError: boom")
     job.set_status(JobStatus.FAILED)

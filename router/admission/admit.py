@@ -13,6 +13,7 @@ import math
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -24,6 +25,7 @@ from router.admission.tokenization import (
     PromptTokenizer,
     PromptTooLong,
 )
+from router.admission.tool_calls import ToolCallStream
 from router.edge.errors import APIError
 from router.edge.openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest
 from shared.errors import ErrorKind
@@ -86,6 +88,11 @@ class Admission:
     # Each prompt's block index members, one list a run of choices sharing it (the router's
     # placement: router.relay.submit), hashed with the admission, off the event loop.
     members: list[list[bytes]] = field(default_factory=list)
+    # What the relay needs of the model, made before the enqueue (router.relay.submit): nothing
+    # between a request's enqueue and its relay may wait on a thread or fail. The model's
+    # context, and a chat request's tool-call splitter (None: its output is all content).
+    context: AdmissionContext | None = None
+    tool_streams: Callable[[], ToolCallStream] | None = None
 
     def error(self) -> APIError:
         headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s else None

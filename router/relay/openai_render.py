@@ -9,12 +9,10 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
-import anyio
 import orjson
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from router.edge.errors import APIError
 from router.edge.openai_types import ResponseFormat, Usage
 from router.relay.logprobs import LogprobRenderer, token_table
 from router.relay.progress import ChoiceProgress, error_for
@@ -31,7 +29,6 @@ from router.relay.streams import (
     sse_response,
 )
 from router.state import RouterState
-from shared.errors import ErrorKind
 from shared.wire import StreamEvent
 
 
@@ -43,7 +40,7 @@ async def respond(request: Request, state: RouterState, routed: RoutedRequest) -
     progress = routed.start_relay()
     renderer = None
     if routed.gens[0].logprobs is not None:
-        renderer = await anyio.to_thread.run_sync(_logprob_renderer, state, routed.model, fmt.chat)
+        renderer = _logprob_renderer(routed, fmt.chat)
     if not routed.stream:
         streams = open_streams(request, state, routed)
         await collect_all(streams, progress)
@@ -230,10 +227,10 @@ def total_usage(progress: list[ChoiceProgress]) -> Usage:
     return total
 
 
-def _logprob_renderer(state: RouterState, model: str, chat: bool) -> LogprobRenderer:
-    """Blocking (the first request with logprobs builds its tokenizer's token table)."""
-    ctx = state.catalog.get(model)  # admission loaded it: found without a Redis read
-    if ctx is None:
-        message = f"No live worker serves '{model}' now; retry shortly."
-        raise APIError.of(ErrorKind.NO_LIVE_WORKER, message)
+def _logprob_renderer(routed: RoutedRequest, chat: bool) -> LogprobRenderer:
+    """From the model the request was admitted on, whose token table admission built before the
+    enqueue (router.relay.submit): nothing here waits or fails between the enqueue and the
+    relay, which lets the request go if its client does."""
+    ctx = routed.admission.context
+    assert ctx is not None, "admit_and_submit keeps the model's context"
     return LogprobRenderer(token_table(ctx.tokenizer), chat)

@@ -23,9 +23,6 @@ class RoutedRequest:
     fmt: ResponseFormat | None = None
     stream: bool = False
     include_usage: bool = False
-    # A chat request with tools on a template whose tool-call format is known: makes each
-    # choice's splitter of its text into content and tool calls (router.admission.tool_calls).
-    tool_streams: Callable[[], ToolCallStream] | None = None
     progress: list[ChoiceProgress] = field(default_factory=list)
 
     @property
@@ -35,6 +32,12 @@ class RoutedRequest:
     @property
     def model(self) -> str:
         return self.gens[0].model
+
+    @property
+    def tool_streams(self) -> Callable[[], ToolCallStream] | None:
+        """A chat request with tools on a template whose tool-call format is known: makes each
+        choice's splitter of its text into content and tool calls (router.admission.tool_calls)."""
+        return self.admission.tool_streams
 
     def start_relay(self) -> list[ChoiceProgress]:
         """Each choice's progress (completions' `echo`: its prompt text comes first)."""

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import orjson
@@ -31,6 +31,7 @@ WORKER_HEADER = "X-Mlxcel-Worker"
 
 Events = AsyncIterator[StreamEvent]
 Batches = AsyncIterator[list[StreamEvent]]  # a choice's events, a stream read's worth at a time
+T = TypeVar("T")
 
 
 def served_by(worker_id: str | None) -> dict[str, str]:
@@ -207,29 +208,52 @@ async def collect_all(streams: list[Events], progress: list[ChoiceProgress]) -> 
 
 async def first_events(streams: list[Events]) -> list[StreamEvent]:
     """Every choice's first event before the 200, so an early failure keeps its status code."""
-    firsts: list[StreamEvent] = []
-    for events in streams:
-        first = await anext(events, None)
-        if first is None or first.kind == "error":
-            for other in streams:
-                await other.aclose()
-            if first is None:
-                raise APIError.of(ErrorKind.CLIENT_CLOSED, "The client closed the request.")
-            raise error_for(first)
-        firsts.append(first)
-    return firsts
+    return await _firsts(streams, lambda first: first)
 
 
 async def first_batches(streams: list[Batches]) -> list[list[StreamEvent]]:
     """Every choice's first batch before the 200, so an early failure keeps its status code."""
-    firsts: list[list[StreamEvent]] = []
-    for batches in streams:
-        first = await anext(batches, None)
-        if first is None or first[0].kind == "error":
-            for other in streams:
-                await other.aclose()
+    return await _firsts(streams, lambda first: first[0])
+
+
+async def _firsts(streams: list[AsyncIterator[T]], head: Callable[[T], StreamEvent]) -> list[T]:
+    """Each stream's first item; an end or an `error` first (`head` finds its first event) closes
+    every stream and raises the request's error. Several choices wait side by side: a relay arms
+    its cleanup (its job's cancel flag, its reservation) only when it starts, so one not started
+    when another choice fails would leave its job running for nobody and its place held."""
+    if len(streams) == 1:
+        firsts: list[T | None] = [await anext(streams[0], None)]
+    else:
+        waits = [asyncio.ensure_future(anext(s, None)) for s in streams]
+        try:
+            pending = set(waits)
+            while pending and not any(w.done() and _failed(w, head) for w in waits):
+                _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # a failure, or this request cancelled: every relay still waiting ends here
+            for w in waits:
+                w.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+        for w in waits:  # a relay's own exception (not a cancel of this one) is the request's
+            if w.done() and not w.cancelled() and w.exception() is not None:
+                await _close(streams)
+                raise w.exception()  # type: ignore[misc]
+        firsts = [w.result() if w.done() and not w.cancelled() else None for w in waits]
+    for first in firsts:
+        if first is None or head(first).kind == "error":
+            await _close(streams)
             if first is None:
                 raise APIError.of(ErrorKind.CLIENT_CLOSED, "The client closed the request.")
-            raise error_for(first[0])
-        firsts.append(first)
-    return firsts
+            raise error_for(head(first))
+    return firsts  # type: ignore[return-value]
+
+
+def _failed(wait: asyncio.Future[Any], head: Callable[[Any], StreamEvent]) -> bool:
+    if wait.cancelled() or wait.exception() is not None:
+        return True
+    first = wait.result()
+    return first is None or head(first).kind == "error"
+
+
+async def _close(streams: list[AsyncIterator[Any]]) -> None:
+    for stream in streams:
+        await stream.aclose()  # type: ignore[attr-defined]

@@ -52,6 +52,7 @@ async def admit_and_submit(
         req = admission.request
         if admission.outcome is not Outcome.ADMIT or req is None:
             return admission
+        admission.context = ctx
         if req.logprobs is not None:
             token_table(ctx.tokenizer)  # built once per tokenizer, here, before the enqueue
         admission.requests = admission.requests or [req]
@@ -82,12 +83,16 @@ async def admit_and_submit(
 async def submit_chat(body: ChatCompletionRequest, state: RouterState) -> RoutedRequest:
     """A chat request admitted and enqueued, with its output's tool-call splitter when it has
     tools (every API whose request becomes a chat one: chat, Responses, Messages)."""
-    routed = await admit_and_submit(admit_chat, body, state)
+
+    def admit(body: ChatCompletionRequest, ctx: AdmissionContext) -> Admission:
+        admission = admit_chat(body, ctx)
+        if admission.outcome is Outcome.ADMIT and body.tools and body.tool_choice != "none":
+            # In admission's thread (a request with tools is never admitted in line).
+            admission.tool_streams = tool_streams(ctx, body)
+        return admission
+
+    routed = await admit_and_submit(admit, body, state)
     routed.stream = bool(body.stream)
-    if body.tools and body.tool_choice != "none":
-        routed.tool_streams = await anyio.to_thread.run_sync(
-            tool_streams, state, body, routed.model
-        )
     return routed
 
 

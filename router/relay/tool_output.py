@@ -5,19 +5,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from router.admission.admit import chat_tools
+from router.admission.admit import AdmissionContext, chat_tools
 from router.admission.tool_calls import ToolCallStream
 from router.edge.openai_types import ChatCompletionRequest
-from router.state import RouterState
 
 
 def tool_streams(
-    state: RouterState, body: ChatCompletionRequest, model: str
+    ctx: AdmissionContext, body: ChatCompletionRequest
 ) -> Callable[[], ToolCallStream] | None:
-    """Blocking (the first use of a parser loads it). None: the template has no tool-call format
-    mlx-lm knows, so the output is all content. Admission already checked the tools."""
-    ctx = state.catalog.get(model)  # admission loaded it: found without a Redis read
-    parser = ctx.tokenizer.tool_parser(body.chat_template) if ctx is not None else None
+    """Blocking (the first use of a parser loads it): admission's thread calls it, once the
+    request's tools are checked. None: the template has no tool-call format mlx-lm knows, so the
+    output is all content."""
+    parser = ctx.tokenizer.tool_parser(body.chat_template)
     if parser is None:
         return None
     tools = chat_tools(body)
