@@ -8,7 +8,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import anyio
 import orjson
@@ -222,36 +222,53 @@ async def _firsts(streams: list[AsyncIterator[T]], head: Callable[[T], StreamEve
     its cleanup (its job's cancel flag, its reservation) only when it starts, so one not started
     when another choice fails would leave its job running for nobody and its place held."""
     if len(streams) == 1:
-        firsts: list[T | None] = [await anext(streams[0], None)]
-    else:
-        waits = [asyncio.ensure_future(anext(s, None)) for s in streams]
-        try:
-            pending = set(waits)
-            while pending and not any(w.done() and _failed(w, head) for w in waits):
-                _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-        finally:  # a failure, or this request cancelled: every relay still waiting ends here
-            for w in waits:
-                w.cancel()
-            await asyncio.gather(*waits, return_exceptions=True)
-        for w in waits:  # a relay's own exception (not a cancel of this one) is the request's
-            if w.done() and not w.cancelled() and w.exception() is not None:
-                await _close(streams)
-                raise w.exception()  # type: ignore[misc]
-        firsts = [w.result() if w.done() and not w.cancelled() else None for w in waits]
-    for first in firsts:
+        first = await anext(streams[0], None)
         if first is None or head(first).kind == "error":
             await _close(streams)
-            if first is None:
-                raise APIError.of(ErrorKind.CLIENT_CLOSED, "The client closed the request.")
-            raise error_for(head(first))
-    return firsts  # type: ignore[return-value]
+            _raise_for(first, head)
+        return [first]
+    waits = [asyncio.ensure_future(anext(s, None)) for s in streams]
+    failed: asyncio.Future[T | None] | None = None
+    try:
+        pending: set[asyncio.Future[T | None]] = set(waits)
+        while pending and failed is None:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            # The first to fail, in the order they ended (choices' order within one wake-up).
+            failed = next((w for w in waits if w in done and _failed(w, head)), None)
+    except BaseException:  # this request was cancelled: every relay ends here
+        await _end_all(waits, streams)
+        raise
+    if failed is None:
+        return [w.result() for w in waits]  # type: ignore[misc]
+    await _end_all(waits, streams)
+    exc = failed.exception()
+    if exc is not None:  # a relay's own failure is the request's
+        raise exc
+    _raise_for(failed.result(), head)
 
 
 def _failed(wait: asyncio.Future[Any], head: Callable[[Any], StreamEvent]) -> bool:
-    if wait.cancelled() or wait.exception() is not None:
+    if wait.exception() is not None:
         return True
     first = wait.result()
     return first is None or head(first).kind == "error"
+
+
+def _raise_for(first: T | None, head: Callable[[T], StreamEvent]) -> NoReturn:
+    if first is None:
+        raise APIError.of(ErrorKind.CLIENT_CLOSED, "The client closed the request.")
+    raise error_for(head(first))
+
+
+async def _end_all(waits: list[asyncio.Future[Any]], streams: list[AsyncIterator[Any]]) -> None:
+    """Every relay ended, shielded (a second cancel cannot cut it short): those still waiting for
+    their first item cancelled, each ending through its own cleanup, then every stream closed
+    (those that had their first item end there)."""
+    with anyio.CancelScope(shield=True):
+        for w in waits:
+            w.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+        await _close(streams)
 
 
 async def _close(streams: list[AsyncIterator[Any]]) -> None:
