@@ -72,18 +72,29 @@ def model_id(tiny_model_dir: Path) -> str:
     return tiny_model_dir.resolve().name
 
 
-def take_job(r: redis.Redis, timeout: float = 5.0) -> tuple[Job, GenerationRequest]:
-    """Wait for the router's job in the shared queue and decode it the way a worker would."""
+def take_jobs(
+    r: redis.Redis, n: int, timeout: float = 5.0
+) -> list[tuple[Job, GenerationRequest]]:
+    """Wait for the router's first n jobs in the shared queue (a request's choices, in its
+    order) and decode them the way a worker would."""
     queue = Queue(SHARED_QUEUE, connection=r, serializer=MsgpackSerializer)
     deadline = time.monotonic() + timeout
-    while not queue.job_ids:
-        assert time.monotonic() < deadline, "no job was enqueued"
+    while len(queue.job_ids) < n:
+        assert time.monotonic() < deadline, f"{len(queue.job_ids)} of {n} jobs were enqueued"
         time.sleep(0.02)
-    job = Job.fetch(queue.job_ids[0], connection=r, serializer=MsgpackSerializer)
-    assert job.func_name == JOB_FUNC
-    req = GenerationRequest.from_wire(job.kwargs["request"])
-    assert req.request_id == job.id
-    return job, req
+    taken = []
+    for job_id in queue.job_ids[:n]:
+        job = Job.fetch(job_id, connection=r, serializer=MsgpackSerializer)
+        assert job.func_name == JOB_FUNC
+        req = GenerationRequest.from_wire(job.kwargs["request"])
+        assert req.request_id == job.id
+        taken.append((job, req))
+    return taken
+
+
+def take_job(r: redis.Redis, timeout: float = 5.0) -> tuple[Job, GenerationRequest]:
+    """Wait for the router's job in the shared queue and decode it the way a worker would."""
+    return take_jobs(r, 1, timeout)[0]
 
 
 _played: dict[str, int] = {}  # request id -> the seq of its next event, as a worker numbers them
@@ -256,17 +267,6 @@ def test_worker_error_event_is_a_server_error(
     assert "out of memory" in resp.json()["error"]["message"]
 
 
-def take_jobs(r: redis.Redis, n: int, timeout: float = 5.0) -> list[GenerationRequest]:
-    """The router's n jobs in the shared queue (one request's choices), in its order."""
-    queue = Queue(SHARED_QUEUE, connection=r, serializer=MsgpackSerializer)
-    deadline = time.monotonic() + timeout
-    while len(queue.job_ids) < n:
-        assert time.monotonic() < deadline, f"{len(queue.job_ids)} of {n} jobs were enqueued"
-        time.sleep(0.02)
-    jobs = [Job.fetch(i, connection=r, serializer=MsgpackSerializer) for i in queue.job_ids]
-    return [GenerationRequest.from_wire(job.kwargs["request"]) for job in jobs]
-
-
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("failing", [0, 2])
 def test_a_choice_that_fails_first_lets_every_other_choice_go(
@@ -281,7 +281,7 @@ def test_a_choice_that_fails_first_lets_every_other_choice_go(
     and by then no other choice is left running for nobody or holding its place in the pool."""
     body = {"model": model_id, "prompt": "x", "n": 3, "stream": stream}
     fut = pool.submit(post, router_url, "/v1/completions", body)
-    reqs = take_jobs(r, 3)
+    reqs = [req for _, req in take_jobs(r, 3)]
     assert reqs[0].request_id == reqs[0].group  # enqueued in the choices' order
     assert r.zcard(keys.admission_inflight()) == 3
     play(r, reqs[failing], StreamEvent(kind="error", error="out of memory", error_type="OOM"))

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from router.admission.admit import Admission
-from router.admission.tool_calls import ToolCallStream
 from router.edge.openai_types import ResponseFormat
 from router.placement.place_call import Placement
 from router.relay.progress import ChoiceProgress
@@ -33,17 +31,13 @@ class RoutedRequest:
     def model(self) -> str:
         return self.gens[0].model
 
-    @property
-    def tool_streams(self) -> Callable[[], ToolCallStream] | None:
-        """A chat request with tools on a template whose tool-call format is known: makes each
-        choice's splitter of its text into content and tool calls (router.admission.tool_calls)."""
-        return self.admission.tool_streams
-
     def start_relay(self) -> list[ChoiceProgress]:
-        """Each choice's progress (completions' `echo`: its prompt text comes first)."""
+        """Each choice's progress (completions' `echo`: its prompt text comes first; a chat
+        request's tool-call splitter, which admission made, splits each choice's text)."""
         echoes = self.admission.echo or [None] * len(self.gens)
+        tools = self.admission.tool_streams
         self.progress = [
-            ChoiceProgress(gen, tool_streams=self.tool_streams, echo=echo, counted=i == 0)
+            ChoiceProgress(gen, tool_streams=tools, echo=echo, counted=i == 0)
             for i, (gen, echo) in enumerate(zip(self.gens, echoes, strict=True))
         ]
         return self.progress
