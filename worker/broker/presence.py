@@ -322,6 +322,7 @@ class Heartbeat(threading.Thread):
         # Its own connection (taken from the pool at the first beat), so a publish or a blocking
         # dequeue on the loop's never delays a beat.
         self._conn: redis.Redis | None = None
+        self._script: Any = None  # the beat script, registered on that connection
         # How long Redis went unheard, for `take_silence` (under the lock: two threads).
         self._lock = threading.Lock()
         self._landed_at = clock()  # when the last beat got Redis's reply
@@ -365,21 +366,14 @@ class Heartbeat(threading.Thread):
 
     def run(self) -> None:
         state = "ok"  # "ok", "slow" (reported), "stuck" (not beating)
-        script: Any = None
         try:
             while not self._stop_event.wait(self.interval_s):
-                if self._conn is None:
-                    try:
-                        self._conn = self.presence.connection.client()
-                    except redis.RedisError:
-                        continue  # Redis down: the loop is reconnecting
-                    script = self._conn.register_script(_BEAT_SCRIPT)
-                state = self._beat(self._conn, script, state)
+                state = self._beat(state)
         finally:
             if self._conn is not None:
                 self._conn.close()
 
-    def _beat(self, conn: redis.Redis, script: Any, state: str) -> str:
+    def _beat(self, state: str) -> str:
         age = self.loop_age_s()
         wid, stuck = self.presence.worker_id, self.presence.stuck_after_s
         if age >= stuck:
@@ -407,25 +401,30 @@ class Heartbeat(threading.Thread):
             state = "slow"
         elif age < DEAD_AFTER_S:
             state = "ok"
-        standing = self._call(conn, script, age)
+        standing = self._call(age)
         if standing == BEAT_REAPED:
             self.reaped.set()
         if standing in (BEAT_REAPED, BEAT_UNREGISTERED):
             self.doubt.set()
         return state
 
-    def _call(self, conn: redis.Redis, script: Any, age: float) -> int | None:
-        """One beat's round trip, timed: its standing code, None when it failed."""
+    def _call(self, age: float) -> int | None:
+        """One beat's round trip, timed: its standing code, None when it failed. The thread's
+        connection is opened by its first beat, inside the timing: a cut that catches its
+        handshake is a call that waited, not a worker that did not run."""
         started = self.clock()
         with self._lock:
             self._calling_since = started
         reply: int | None = None
         try:
+            if self._conn is None:
+                self._conn = self.presence.connection.client()
+                self._script = self._conn.register_script(_BEAT_SCRIPT)
             reply = int(
-                script(
+                self._script(
                     keys=self._keys,
                     args=[keys.LIVENESS_TTL_S, f"{age:.1f}", self.presence.epoch, alive_ttl_ms()],
-                    client=conn,
+                    client=self._conn,
                 )
             )
         except redis.RedisError as exc:  # the loop finds a lost Redis itself and reconnects
