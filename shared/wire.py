@@ -180,6 +180,9 @@ class GenerationRequest:
     # The choices of one prompt (`n` > 1) share this id, their first choice's request id: the
     # router places them on one worker, which computes the prompt once for all of them. "": alone.
     group: str = ""
+    # Whether its client reads the tokens as they come: a worker writes a non-streamed
+    # request's tokens to its stream a few at a time (worker.broker.event_hold).
+    stream: bool = True
 
     WIRE_TYPES: ClassVar[dict[str, tuple[type, ...]]] = {
         "request_id": (str,),
@@ -209,6 +212,7 @@ class GenerationRequest:
         "adapter_id": (str,),
         "enqueued_at": _NUMBER,
         "group": (str,),
+        "stream": (bool,),
     }
 
     # Fields left out of the wire at their default, so a worker from before them still reads
@@ -222,6 +226,7 @@ class GenerationRequest:
         "min_tokens": 0,
         "stop_token_ids": [],
         "include_stop_str_in_output": False,
+        "stream": True,
     }
 
     def to_wire(self) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 
 from tests.pool_fixture import sse_events
 from tests.streams import SHARED_QUEUE, TINY_MODEL
@@ -245,3 +246,32 @@ def test_n_choices_and_prompt_lists_run_as_sequences_of_their_own(pool) -> None:
     messages = chat.json()["choices"]
     assert [m["index"] for m in messages] == [0, 1]
     assert messages[0]["message"]["content"] == messages[1]["message"]["content"]
+
+
+def test_a_non_streamed_request_writes_its_tokens_a_few_at_a_time(pool) -> None:
+    """Its client reads nothing before the end, so the worker writes its tokens to the request's
+    stream in groups (worker.broker.event_hold), and the same answer comes back. Each write of
+    a stream sets its TTL once (docs/redis-keys.md): a streamed request's stream is written
+    every step, one token each, a non-streamed one's a few times in all."""
+    r = redis.Redis.from_url(pool.redis_url)
+    body = {"model": TINY_MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 96, "temperature": 0}
+    body["ignore_eos"] = True
+
+    def writes(stream: bool) -> tuple[int, dict[str, Any]]:
+        before = r.info("commandstats").get("cmdstat_expire", {}).get("calls", 0)
+        resp = httpx.post(f"{pool.url}/v1/completions", json={**body, "stream": stream}, timeout=60)
+        assert resp.status_code == 200, resp.text
+        after = r.info("commandstats").get("cmdstat_expire", {}).get("calls", 0)
+        if stream:
+            chunks = sse_events(resp)
+            answer = {"text": "".join(ch["text"] for c in chunks for ch in c["choices"])}
+        else:
+            answer = {"text": resp.json()["choices"][0]["text"]}
+            assert resp.json()["usage"]["completion_tokens"] == 96
+        return after - before, answer
+
+    streamed_writes, streamed = writes(True)
+    held_writes, held = writes(False)
+    assert held == streamed
+    assert streamed_writes >= 96  # a streamed request: a write a token
+    assert held_writes <= streamed_writes // 4, (held_writes, streamed_writes)

@@ -33,6 +33,7 @@ import redis
 from shared import keys
 from shared.errors import ErrorKind
 from shared.wire import REDIS_UNAVAILABLE, ControlCommand, ControlReply, StreamEvent
+from worker.broker.event_hold import EventHold
 from worker.broker.intake import JobEnd, JobOutcome, RqIntake, TakenJob
 from worker.broker.outbox import Outbox
 from worker.broker.peer_queues import PeerQueues
@@ -82,6 +83,8 @@ class WorkerLoop:
     _next_reap: float = 0.0
     _maintenance: Future[None] | None = None
     _index_full_due: str = ""  # why the next publish writes the block index whole ("": no)
+    # Non-streamed requests' tokens between their stream's writes (event_hold).
+    _hold: EventHold = field(default_factory=EventHold)
     _fault_stall_file: str = field(default_factory=lambda: os.environ.get(FAULT_LOOP_STALL_ENV, ""))
 
     def install_signal_handlers(self) -> None:
@@ -232,7 +235,8 @@ class WorkerLoop:
 
     def _send(self, out: StepResult, writes: StepWrites) -> None:
         """Turn the engine's result into this step's writes and hand them to the outbox."""
-        _fill(writes, out, self.presence.worker_id)
+        now = time.monotonic()
+        _fill(writes, out, self.presence.worker_id, self._hold, now)
         writes.index = out.index
         writes.index_firsts = out.index_firsts
         if self._index_full_due:
@@ -243,7 +247,7 @@ class WorkerLoop:
         running = self.engine.running
         writes.busy = bool(running)
         writes.watched = [req.id for req in running]
-        now = time.monotonic()
+        self._hold.keep_only(writes.watched)
         if self.presence.beat_due(now):
             writes.liveness = Liveness(self._gauges(), [req.ticket for req in running])
         self.outbox.send(writes)
@@ -340,6 +344,7 @@ class WorkerLoop:
         )
         self.outbox.abandon()
         dropped = self.engine.fail_all("the worker lost Redis mid-request", REDIS_UNAVAILABLE)
+        self._hold.clear()  # their streams go on no further
         lost_at = time.monotonic()
         delay = RECONNECT_MIN_S
         standing: Standing | None = None
@@ -386,7 +391,7 @@ class WorkerLoop:
                     kept.events[ended.request] = dropped.events.get(ended.request, [])
                     kept.ended.append(ended)
             writes = StepWrites()
-            _fill(writes, kept, self.presence.worker_id)
+            _fill(writes, kept, self.presence.worker_id, self._hold, time.monotonic())
             self.publisher.publish(writes)
         except redis.RedisError:
             log.warning("could not fail the requests dropped with Redis", exc_info=True)
@@ -428,11 +433,15 @@ class WorkerLoop:
         log.info("worker %s stopped", self.presence.worker_id)
 
 
-def _fill(writes: StepWrites, out: StepResult, worker_id: str) -> None:
-    """The engine's result as the publisher's data: packed events per job, and job ends."""
-    for req, events in out.events.items():
+def _fill(writes: StepWrites, out: StepResult, worker_id: str, hold: EventHold, now: float) -> None:
+    """The engine's result as the publisher's data: packed events per job (a non-streamed
+    request's as `hold` lets them go), and job ends."""
+    for req, step_events in out.events.items():
+        events = hold.take(req.id, req.spec.stream, step_events, now)
+        if not events:
+            continue
         writes.streams.append((req.ticket, [e.to_wire() for e in events]))
-        if events and events[0].seq > 0:  # its stream was started by an earlier step's events
+        if events[0].seq > 0:  # its stream was started by an earlier step's events
             writes.ongoing.add(req.ticket.id)
     for ended in out.ended:
         req = ended.request

@@ -529,6 +529,7 @@ def _build(
         session_key=body.prompt_cache_key or body.user or "",
         template_signature=signature,
         enqueued_at=time.time(),
+        stream=bool(body.stream),
     )
 
 
