@@ -12,8 +12,11 @@ handler). On a machine whose cores the model's threads already fill, every milli
 costs anywhere else is time a step waits for a core: the table shows both sides' milliseconds
 outside the model's threads, and their tok/s and inter-token latency side by side.
 
+`--no-stream` asks both sides for whole responses (no inter-token latency then): what the pool
+spends on a token its client reads only at the end.
+
     flock /tmp/mlxcel-bench.lock .venv/bin/python bench/bench_one_stream_cpu.py [--quick]
-        [--requests 12] [--max-tokens 64] [--repeats 2] [--json out.json]
+        [--requests 12] [--max-tokens 64] [--repeats 2] [--no-stream] [--json out.json]
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 from common import (
@@ -110,6 +114,14 @@ def _server_parts() -> tuple[psutil.Process, dict[str, list[psutil.Process]]]:
     return children[0], {}
 
 
+def _body(model: str, prompt: str, max_tokens: int, stream: bool) -> dict[str, Any]:
+    body = completion_body(model, prompt, max_tokens)
+    if not stream:
+        del body["stream_options"]
+        body["stream"] = False
+    return body
+
+
 async def _measure(
     url: str,
     model: str,
@@ -117,11 +129,13 @@ async def _measure(
     max_tokens: int,
     find: Callable[[], tuple[psutil.Process, dict[str, list[psutil.Process]]]],
     side: str,
+    stream: bool,
 ) -> Split:
     async with new_client(url) as client:
         for prompt in prompts[:WARMUP_REQUESTS]:
-            body = completion_body(model, prompt, max_tokens)
-            await stream_request(client, "/v1/completions", body)
+            await stream_request(
+                client, "/v1/completions", _body(model, prompt, max_tokens, stream)
+            )
         holder, others = find()
         me = psutil.Process()
         groups = {**others, "client": [me]}
@@ -129,7 +143,7 @@ async def _measure(
         threads_before = _threads(holder)
         results = []
         for prompt in prompts[WARMUP_REQUESTS:]:
-            body = completion_body(model, prompt, max_tokens)
+            body = _body(model, prompt, max_tokens, stream)
             results.append(await stream_request(client, "/v1/completions", body))
         threads_after = _threads(holder)
         after = {k: sum(_cpu(p) for p in ps) for k, ps in groups.items()}
@@ -144,7 +158,8 @@ async def _measure(
     split.tokens = sum(r.completion_tokens for r in results)
     wall = results[-1].end - results[0].start
     split.tok_s = split.tokens / wall
-    split.itl_ms = median([1000 / tps for r in results if (tps := r.decode_tps())])
+    itls = [1000 / tps for r in results if (tps := r.decode_tps())]
+    split.itl_ms = median(itls) if itls else 0.0  # whole responses: none
     return split
 
 
@@ -165,6 +180,7 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=12, help="measured requests a side")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="rounds, sides alternating")
+    p.add_argument("--no-stream", action="store_true", help="whole responses, not SSE streams")
     output_args(p, "write the splits here", work_dir=False)
     args = p.parse_args()
     requests, repeats = (6, 1) if args.quick else (args.requests, args.repeats)
@@ -177,7 +193,9 @@ def main() -> int:
         for side in ("pool", "server") if round_ % 2 == 0 else ("server", "pool"):
             finder = _pool_parts if side == "pool" else _server_parts
             with _side(side, model_dir) as (url, model):
-                split = asyncio.run(_measure(url, model, prompts, args.max_tokens, finder, side))
+                split = asyncio.run(
+                    _measure(url, model, prompts, args.max_tokens, finder, side, not args.no_stream)
+                )
             splits.append(split)
             print(f"  round {round_ + 1} {side}: {split.tok_s:.1f} tok/s", file=sys.stderr)
     parts = list(dict.fromkeys(k for s in splits for k in s.cpu_s))
