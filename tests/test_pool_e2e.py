@@ -252,7 +252,9 @@ def test_a_non_streamed_request_writes_its_tokens_a_few_at_a_time(pool) -> None:
     """Its client reads nothing before the end, so the worker writes its tokens to the request's
     stream in groups (worker.broker.event_hold), and the same answer comes back. Each write of
     a stream sets its TTL once (docs/redis-keys.md): a streamed request's stream is written
-    every step, one token each, a non-streamed one's a few times in all."""
+    every step, one token each, a non-streamed one's a few times in all. The count is Redis's
+    EXPIREs, the heartbeat's included (three a second): both requests take about as long, so
+    the difference is the stream's writes saved."""
     r = redis.Redis.from_url(pool.redis_url)
     body = {"model": TINY_MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 96, "temperature": 0}
     body["ignore_eos"] = True
@@ -274,4 +276,4 @@ def test_a_non_streamed_request_writes_its_tokens_a_few_at_a_time(pool) -> None:
     held_writes, held = writes(False)
     assert held == streamed
     assert streamed_writes >= 96  # a streamed request: a write a token
-    assert held_writes <= streamed_writes // 4, (held_writes, streamed_writes)
+    assert streamed_writes - held_writes >= 48, (held_writes, streamed_writes)

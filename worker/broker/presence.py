@@ -418,8 +418,9 @@ class Heartbeat(threading.Thread):
         reply: int | None = None
         try:
             if self._conn is None:
-                self._conn = self.presence.connection.client()
-                self._script = self._conn.register_script(_BEAT_SCRIPT)
+                conn = self.presence.connection.client()
+                self._script = conn.register_script(_BEAT_SCRIPT)
+                self._conn = conn  # both or neither: the next beat opens it again
             reply = int(
                 self._script(
                     keys=self._keys,
