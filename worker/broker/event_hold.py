@@ -1,11 +1,13 @@
 """A non-streamed request's tokens, held in the worker between its stream's writes.
 
 A client that did not ask for a stream reads nothing before the request's end, so writing its
-tokens step by step costs Redis an XADD a token and the router a read and a wake-up a step for
-nobody. Such a request's `start`, its first token (the router's time to first token), its last
-event and, every HOLD_S, whatever came between go out as they come; the other deltas wait here,
-in order. The router's inter-token figures stay true: they are timed by its first token's entry
-and its last's, and both are written in the step that made them.
+tokens step by step costs the step script a write of its stream (the cancel-flag check, the
+TTL) and the router a read and a wake-up every step, for nobody. Such a request's `start`, its
+first token (the router's time to first token), its last event and, every HOLD_S, whatever came
+between go out as they come; the other deltas wait here, in order. Each token stays an entry of
+its own with its own `seq`, so the router's duplicate and gap checks read what they always
+read. Its inter-token figures stay true: they are timed by the first token's entry and the
+last's, both written in the step that made them.
 """
 
 from __future__ import annotations
