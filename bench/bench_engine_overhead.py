@@ -139,11 +139,10 @@ def main() -> int:
     def med(side: str, c: int) -> float:
         return median([r.ms_per_step for r in runs if r.side == side and r.concurrency == c])
 
-    rows = [
-        [c, med("bare", c), med("engine", c), ratio(med("engine", c), med("bare", c))]
-        + [med("engine", c) - med("bare", c)]
-        for c in levels
-    ]
+    rows = []
+    for c in levels:
+        bare_ms, engine_ms = med("bare", c), med("engine", c)
+        rows.append([c, bare_ms, engine_ms, ratio(engine_ms, bare_ms), engine_ms - bare_ms])
     print(table(["conc", "bare ms a step", "engine ms a step", "engine/bare", "ms added"], rows))
     print(f"(medians over {repeats} rounds; a step: a sequence's first token to the last, a token)")
     write_json(args.json, {"machine": machine, "runs": runs})

@@ -1,5 +1,7 @@
-"""A client that leaves is let go within a step, streaming or not: its job is cancelled in rq
-and the worker stops generating for it, instead of running to max_tokens for nobody.
+"""A client that leaves is let go, streaming or not: within a step of its leaving, or (not
+streaming) of the router's next read of its stream, which the worker writes every 0.25 s for a
+client that reads nothing before the end. Its job is cancelled in rq and the worker stops
+generating for it, instead of running to max_tokens for nobody.
 Real pool (embedded Redis, router, one worker), real HTTP clients that hang up."""
 
 from __future__ import annotations

@@ -83,17 +83,18 @@ async def admit_and_submit(
 async def submit_chat(body: ChatCompletionRequest, state: RouterState) -> RoutedRequest:
     """A chat request admitted and enqueued, with its output's tool-call splitter when it has
     tools (every API whose request becomes a chat one: chat, Responses, Messages)."""
-
-    def admit(body: ChatCompletionRequest, ctx: AdmissionContext) -> Admission:
-        admission = admit_chat(body, ctx)
-        if admission.outcome is Outcome.ADMIT and body.tools and body.tool_choice != "none":
-            # In admission's thread (a request with tools is never admitted in line).
-            admission.tool_streams = tool_streams(ctx, body)
-        return admission
-
-    routed = await admit_and_submit(admit, body, state)
+    routed = await admit_and_submit(_admit_chat_with_tools, body, state)
     routed.stream = bool(body.stream)
     return routed
+
+
+def _admit_chat_with_tools(body: ChatCompletionRequest, ctx: AdmissionContext) -> Admission:
+    """admit_chat, and the tool-call splitter of a request with tools, made in admission's
+    thread (a request with tools is never admitted in line)."""
+    admission = admit_chat(body, ctx)
+    if admission.outcome is Outcome.ADMIT and body.tools and body.tool_choice != "none":
+        admission.tool_streams = tool_streams(ctx, body)
+    return admission
 
 
 async def _place_all(state: RouterState, admission: Admission) -> list[Placement] | Admission:
