@@ -170,6 +170,8 @@ def test_prompt_too_long_for_the_context(client: httpx.Client, model_id: str) ->
         ("/v1/completions", {"prompt": []}, "prompt"),
         ("/v1/completions", {"prompt": ["a"] * 17}, "prompt"),
         ("/v1/completions", {"prompt": [10**7]}, "prompt"),
+        ("/v1/completions", {"prompt": [5, -1, 6]}, "prompt"),
+        ("/v1/completions", {"prompt": [[5, 6], [7, 10**7]]}, "prompt"),
         ("/v1/completions", {"prompt": "hi", "n": 17}, "n"),
         ("/v1/completions", {"prompt": ["a"] * 5, "n": 13}, "n"),  # 65 choices
         ("/v1/completions", {"prompt": "hi", "stop": ["s"] * 17}, "stop"),

@@ -1,0 +1,24 @@
+"""The router's JSON body reader: which bodies go to the standard library's parser."""
+
+from __future__ import annotations
+
+import re
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from router.edge.json_body import LONG_DIGITS, has_long_number
+
+# What the check stands for: a run of LONG_DIGITS ASCII digits anywhere in the body.
+LONG_RUN = re.compile(rb"[0-9]{%d}" % LONG_DIGITS)
+
+
+@given(st.binary(max_size=80) | st.lists(st.sampled_from(b"0123456789 ,\xb2\xb9-")).map(bytes))
+def test_a_long_number_is_a_run_of_that_many_ascii_digits(body: bytes) -> None:
+    assert has_long_number(body) == (LONG_RUN.search(body) is not None)
+
+
+def test_the_shortest_number_orjson_may_read_as_a_float_is_found() -> None:
+    assert has_long_number(b'{"seed": %d}' % 2**63)  # 19 digits
+    assert not has_long_number(b'{"seed": %d, "prompt": [1, 2]}' % (2**59))  # 18 digits
+    assert not has_long_number("²³¹⁴⁵⁶⁷⁸⁹⁰¹²³⁴⁵⁶⁷⁸⁹⁰".encode())  # digits, but not ASCII
