@@ -30,6 +30,7 @@ from router.admission.inline import INLINE_PROMPT_SIZE
 from router.placement.ledger import AdmissionLedger
 from router.redis_batch import RedisBatch
 from router.relay.attempt import Attempt, JobState
+from router.relay.job_template import JobTemplate
 from router.relay.stream_hub import StreamHub
 from router.relay.watch import Disconnected, Watch
 from shared import keys
@@ -43,6 +44,8 @@ from shared.wire import (
 )
 
 log = logging.getLogger(__name__)
+
+_UNMADE = object()  # a queue whose job template is not made yet
 
 # A request that ended without its worker's last event (client gone, timeout, worker lost) gets its
 # cancel flag and its stream lingers this long instead of being deleted: the worker may write a
@@ -70,6 +73,8 @@ class Dispatcher:
     ledger: AdmissionLedger
     batch: RedisBatch  # the event loop's small writes (router.redis_batch)
     _queues: dict[str, Queue] = dataclasses.field(default_factory=dict)
+    # Each queue's job template; None: rq's own enqueue (router.relay.job_template).
+    _templates: dict[str, JobTemplate | None] = dataclasses.field(default_factory=dict)
     _ending: set[asyncio.Future[None]] = dataclasses.field(default_factory=set)  # held to the end
 
     def queue_for(self, worker_id: str, model_id: str) -> Queue:
@@ -96,14 +101,25 @@ class Dispatcher:
         await self.batch.transaction(commands)
 
     def _job_commands(self, req: GenerationRequest, worker_id: str) -> list[tuple[Any, ...]]:
-        """rq's enqueue of the request's job, as the commands of its transaction."""
-        pipe = self._job_pipeline(
-            self.queue_for(worker_id, req.model),
-            JOB_FUNC,
-            {"request": req.to_wire()},
-            req.request_id,
-            describe(req, worker_id),
-        )
+        """rq's enqueue of the request's job, as the commands of its transaction: its queue's
+        template filled in (router.relay.job_template), or rq's own where it has none."""
+        queue = self.queue_for(worker_id, req.model)
+        kwargs: dict[str, object] = {"request": req.to_wire()}
+        description = describe(req, worker_id)
+        template = self._templates.get(queue.name, _UNMADE)
+        if template is _UNMADE:
+            template = self._templates[queue.name] = JobTemplate.made_by(
+                self._rq_commands, queue, JOB_FUNC
+            )
+        if isinstance(template, JobTemplate):
+            return template.commands(req.request_id, kwargs, description)
+        return self._rq_commands(queue, req.request_id, kwargs, description)
+
+    def _rq_commands(
+        self, queue: Queue, job_id: str, kwargs: dict[str, object], description: str
+    ) -> list[tuple[Any, ...]]:
+        """rq's own enqueue of a generation job, as commands."""
+        pipe = self._job_pipeline(queue, JOB_FUNC, kwargs, job_id, description)
         commands = [args for args, _ in pipe.command_stack]
         pipe.reset()
         return commands

@@ -1,0 +1,151 @@
+"""rq's enqueue of a job on one queue, made by rq once and then filled in for each job.
+
+rq's own enqueue builds a Job, checks its serializer against a typing Protocol (slow in Python
+3.11), parses its timeouts and writes its hash field by field: more of the router's CPU a request
+than the msgpack and zlib of the job's data. Every job the router sends to one queue has the
+same commands but for its id (in keys and values), its data, its description and its clock. A
+template is the command list rq makes for a sentinel job, with those places marked; a job's
+commands are the template with its own values put there.
+
+A template proves itself when made: filled in for a second sentinel job, it must give what rq
+gives for that job, word for word but for the clock. An rq whose enqueue puts a job's values
+anywhere else fails that check, and the queue's jobs go through rq's own enqueue, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib.metadata import version
+from typing import Any
+
+from rq import Queue
+from rq.utils import now, utcformat
+
+log = logging.getLogger(__name__)
+
+# The job hash fields whose values are the enqueue's clock: a job gets one time for both.
+CLOCK_FIELDS = frozenset({"created_at", "enqueued_at"})
+
+# rq's commands for (queue, job id, kwargs, description), enqueued as the dispatcher enqueues.
+RqCommands = Callable[[Queue, str, dict[str, object], str], list[tuple[Any, ...]]]
+
+# Stands for the job id in a key or value of the template (no job id holds NULs).
+_ID_MARK = "\x00job\x00"
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """The values that differ from job to job, as rq writes them."""
+
+    job_id: str
+    data: bytes
+    description: str
+    clock: str
+
+
+# Where a job's value goes in a command: (the argument's place, what goes there: "id" (the
+# argument's text with _ID_MARK for the id), "data", "description" or "clock", the text).
+_Slot = tuple[int, str, str]
+
+
+class JobTemplate:
+    """The commands of one queue's enqueue, with the places of a job's values."""
+
+    def __init__(self, queue: Queue, func: str, commands: list[tuple[Any, ...]], sentinel: _Job):
+        self._serializer = queue.serializer
+        self._func = func
+        self._commands = commands
+        self._slots = [_slots(command, sentinel) for command in commands]
+
+    @classmethod
+    def made_by(cls, rq_commands: RqCommands, queue: Queue, func: str) -> JobTemplate | None:
+        """The queue's template, or None where it does not give rq's commands (see above)."""
+        first, second = _sentinel(), _sentinel()
+        made = rq_commands(queue, first.job_id, _kwargs(first), first.description)
+        sentinel = _Job(
+            first.job_id,
+            _data(queue.serializer, func, _kwargs(first)),
+            first.description,
+            "",
+        )
+        template = cls(queue, func, made, sentinel)
+        theirs = rq_commands(queue, second.job_id, _kwargs(second), second.description)
+        ours = template.commands(second.job_id, _kwargs(second), second.description)
+        if _without_clock(ours) != _without_clock(theirs):
+            log.warning(
+                "rq %s enqueues on %s otherwise than its template: its jobs go through rq's "
+                "own enqueue",
+                version("rq"),
+                queue.name,
+            )
+            return None
+        return template
+
+    def commands(
+        self, job_id: str, kwargs: dict[str, object], description: str
+    ) -> list[tuple[Any, ...]]:
+        """rq's enqueue of this job, as its commands."""
+        data = _data(self._serializer, self._func, kwargs)
+        job = _Job(job_id, data, description, utcformat(now()))
+        return [
+            command if slots is None else _filled(command, slots, job)
+            for command, slots in zip(self._commands, self._slots, strict=True)
+        ]
+
+
+def _data(serializer: Any, func: str, kwargs: dict[str, object]) -> bytes:
+    """A job's data as rq writes it: (function, instance, args, kwargs) serialized, then zlib'd
+    at zlib's default level, as rq's Job.to_dict does."""
+    return zlib.compress(serializer.dumps((func, None, (), kwargs)))
+
+
+def _filled(command: tuple[Any, ...], slots: list[_Slot], job: _Job) -> tuple[Any, ...]:
+    args = list(command)
+    for i, kind, text in slots:
+        args[i] = text.replace(_ID_MARK, job.job_id) if kind == "id" else getattr(job, kind)
+    return tuple(args)
+
+
+def _slots(command: tuple[Any, ...], sentinel: _Job) -> list[_Slot] | None:
+    """The command's slots; None for a command that holds no job value."""
+    slots: list[_Slot] = []
+    for i, arg in enumerate(command):
+        if isinstance(arg, str) and sentinel.job_id in arg:
+            slots.append((i, "id", arg.replace(sentinel.job_id, _ID_MARK)))
+        elif arg == sentinel.data:
+            slots.append((i, "data", ""))
+        elif arg == sentinel.description:
+            slots.append((i, "description", ""))
+        elif _is_clock(command, i):
+            slots.append((i, "clock", ""))
+    return slots or None
+
+
+def _is_clock(command: Sequence[Any], i: int) -> bool:
+    """Whether argument i is a clock field's value: HSET key f1 v1 f2 v2 ... holds a field's
+    value at an odd place past the key, after its field."""
+    return command[0] == "HSET" and i > 2 and i % 2 == 1 and command[i - 1] in CLOCK_FIELDS
+
+
+def _without_clock(commands: Sequence[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """The commands with every clock value as one placeholder (two enqueues never share it)."""
+    return [tuple("<clock>" if _is_clock(c, i) else a for i, a in enumerate(c)) for c in commands]
+
+
+@dataclass(frozen=True)
+class _Sentinel:
+    job_id: str
+    description: str
+
+
+def _sentinel() -> _Sentinel:
+    tag = uuid.uuid4().hex
+    return _Sentinel(f"template-{tag}", f"the template's sentinel job {tag}")
+
+
+def _kwargs(sentinel: _Sentinel) -> dict[str, object]:
+    return {"request": sentinel.job_id}

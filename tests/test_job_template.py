@@ -1,0 +1,106 @@
+"""The router's job template: rq's enqueue, made once per queue by rq and filled in per job."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import uuid
+from typing import Any
+
+import pytest
+import redis
+from rq import Queue
+from rq.job import Job, JobStatus
+from rq.utils import get_version
+
+from router.relay.dispatch import Dispatcher, describe
+from router.relay.job_template import CLOCK_FIELDS, JobTemplate
+from shared import keys
+from shared.wire import JOB_FUNC, GenerationRequest, MsgpackSerializer
+
+
+@pytest.fixture
+def dispatcher(redis_url: str) -> Dispatcher:
+    """A dispatcher's enqueue side alone: rq's queues on a real Redis."""
+    r = redis.Redis.from_url(redis_url)
+    get_version(r)  # what Dispatcher.warm_rq reads at startup
+    d = Dispatcher.__new__(Dispatcher)
+    d.sync_redis, d.job_timeout_s, d._queues, d._templates = r, 900, {}, {}
+    return d
+
+
+def request(n_tokens: int = 300) -> GenerationRequest:
+    prompt = [random.randrange(5, 1024) for _ in range(n_tokens)]
+    model = f"m-{uuid.uuid4().hex}"  # queues of their own: the test's Redis is shared
+    return GenerationRequest(uuid.uuid4().hex, model, prompt, max_tokens=16, temperature=0.5)
+
+
+def clock_values(commands: list[tuple[Any, ...]]) -> set[str]:
+    return {
+        c[i]
+        for c in commands
+        if c[0] == "HSET"
+        for i in range(3, len(c), 2)
+        if c[i - 1] in CLOCK_FIELDS
+    }
+
+
+def without_clock(commands: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    return [
+        tuple(
+            "<clock>" if c[0] == "HSET" and i > 2 and i % 2 and c[i - 1] in CLOCK_FIELDS else a
+            for i, a in enumerate(c)
+        )
+        for c in commands
+    ]
+
+
+@pytest.mark.parametrize("worker_id", [f"w-{uuid.uuid4().hex}", ""])
+def test_a_job_from_the_template_is_the_job_rq_makes(
+    dispatcher: Dispatcher, worker_id: str
+) -> None:
+    req = request()
+    ours = dispatcher._job_commands(req, worker_id)
+    queue = dispatcher.queue_for(worker_id, req.model)
+    assert isinstance(dispatcher._templates[queue.name], JobTemplate)
+    kwargs: dict[str, object] = {"request": req.to_wire()}
+    theirs = dispatcher._rq_commands(queue, req.request_id, kwargs, describe(req, worker_id))
+    assert without_clock(ours) == without_clock(theirs)
+    assert len(clock_values(ours)) == 1  # one time for created_at and enqueued_at
+
+
+def test_rq_reads_a_job_from_the_template_as_its_own(dispatcher: Dispatcher) -> None:
+    req = request()
+    with dispatcher.sync_redis.pipeline(transaction=True) as pipe:
+        for command in dispatcher._job_commands(req, req.model):
+            pipe.execute_command(*command)
+        pipe.execute()
+    queue = dispatcher.queue_for(req.model, req.model)  # the worker's queue (any id will do)
+    assert queue.job_ids == [req.request_id]
+    job = Job.fetch(req.request_id, connection=dispatcher.sync_redis, serializer=MsgpackSerializer)
+    assert job.get_status() == JobStatus.QUEUED
+    assert job.func_name == JOB_FUNC and job.origin == queue.name
+    assert GenerationRequest.from_wire(job.kwargs["request"]) == req
+    assert job.description == describe(req, req.model) and job.timeout == 900
+    assert job.enqueued_at is not None and job.created_at == job.enqueued_at
+    ttl = dispatcher.sync_redis.ttl(f"rq:job:{req.request_id}")
+    assert 0 < ttl <= keys.JOB_QUEUED_TTL_S
+
+
+def test_jobs_go_through_rq_where_the_template_does_not_give_its_commands(
+    dispatcher: Dispatcher,
+) -> None:
+    """An rq that writes a job's id in a form the template does not know (here, hashed)."""
+
+    def hashed(queue: Queue, job_id: str, kwargs: dict[str, object], description: str) -> Any:
+        commands = dispatcher._rq_commands(queue, job_id, kwargs, description)
+        return [*commands, ("SET", hashlib.sha1(job_id.encode()).hexdigest(), "1")]
+
+    req = request()
+    queue = dispatcher.queue_for("", req.model)
+    assert JobTemplate.made_by(hashed, queue, JOB_FUNC) is None
+    dispatcher._templates[queue.name] = None  # what _job_commands keeps for such a queue
+    commands = dispatcher._job_commands(req, "")
+    kwargs: dict[str, object] = {"request": req.to_wire()}
+    theirs = dispatcher._rq_commands(queue, req.request_id, kwargs, describe(req, ""))
+    assert without_clock(commands) == without_clock(theirs)
