@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from router.edge.json_body import LONG_DIGITS, has_long_number
@@ -13,6 +13,9 @@ from router.edge.json_body import LONG_DIGITS, has_long_number
 LONG_RUN = re.compile(rb"[0-9]{%d}" % LONG_DIGITS)
 
 
+@example(b"1" * LONG_DIGITS)
+@example(b"[" + b"1" * (LONG_DIGITS - 1) + b", 1]")
+@example(b"x" + b"9" * (LONG_DIGITS + 3) + b"x")
 @given(st.binary(max_size=80) | st.lists(st.sampled_from(b"0123456789 ,\xb2\xb9-")).map(bytes))
 def test_a_long_number_is_a_run_of_that_many_ascii_digits(body: bytes) -> None:
     assert has_long_number(body) == (LONG_RUN.search(body) is not None)

@@ -45,8 +45,6 @@ from shared.wire import (
 
 log = logging.getLogger(__name__)
 
-_UNMADE = object()  # a queue whose job template is not made yet
-
 # A request that ended without its worker's last event (client gone, timeout, worker lost) gets its
 # cancel flag and its stream lingers this long instead of being deleted: the worker may write a
 # step or two more before it reads the flag (each of its writes sets the stream's TTL too).
@@ -89,11 +87,11 @@ class Dispatcher:
         return q
 
     async def enqueue(self, req: GenerationRequest, worker_id: str = "") -> None:
-        """Put the job on the worker's queue, or the shared one: rq's enqueue, written into a
-        pipeline that never runs (rq does no I/O for a job without dependencies once it has
-        read the server's version: warm_rq), its commands sent as one MULTI/EXEC in the
-        command batch, so the job hash, its TTLs and the queue push land together or not at
-        all."""
+        """Put the job on the worker's queue, or the shared one: rq's enqueue as commands (its
+        queue's template filled in, or rq's own written into a pipeline that never runs: rq
+        does no I/O for a job without dependencies once it has read the server's version,
+        warm_rq), sent as one MULTI/EXEC in the command batch, so the job hash, its TTLs and
+        the queue push land together or not at all."""
         build = functools.partial(self._job_commands, req, worker_id)
         # A long prompt's job (msgpack, then rq's zlib) is built off the event loop.
         long = len(req.prompt_tokens) > INLINE_PROMPT_SIZE
@@ -106,12 +104,13 @@ class Dispatcher:
         queue = self.queue_for(worker_id, req.model)
         kwargs: dict[str, object] = {"request": req.to_wire()}
         description = describe(req, worker_id)
-        template = self._templates.get(queue.name, _UNMADE)
-        if template is _UNMADE:
-            template = self._templates[queue.name] = JobTemplate.made_by(
-                self._rq_commands, queue, JOB_FUNC
-            )
-        if isinstance(template, JobTemplate):
+        if queue.name not in self._templates:
+            # Made at the queue's first job, which is the first it fills in. Two made at once
+            # (the event loop's and a thread's) are both good: the last one stays.
+            made = JobTemplate.made_by(self._rq_commands, queue, JOB_FUNC)
+            self._templates[queue.name] = made
+        template = self._templates[queue.name]
+        if template is not None:
             return template.commands(req.request_id, kwargs, description)
         return self._rq_commands(queue, req.request_id, kwargs, description)
 

@@ -1,15 +1,19 @@
 """rq's enqueue of a job on one queue, made by rq once and then filled in for each job.
 
 rq's own enqueue builds a Job, checks its serializer against a typing Protocol (slow in Python
-3.11), parses its timeouts and writes its hash field by field: more of the router's CPU a request
-than the msgpack and zlib of the job's data. Every job the router sends to one queue has the
+3.11), parses its timeouts and writes its hash field by field: per request, more of the router's
+CPU than the msgpack and zlib of the job's data. Every job the router sends to one queue has the
 same commands but for its id (in keys and values), its data, its description and its clock. A
 template is the command list rq makes for a sentinel job, with those places marked; a job's
 commands are the template with its own values put there.
 
-A template proves itself when made: filled in for a second sentinel job, it must give what rq
-gives for that job, word for word but for the clock. An rq whose enqueue puts a job's values
-anywhere else fails that check, and the queue's jobs go through rq's own enqueue, as before.
+A template checks itself when made: filled in for a second sentinel job (another id, data and
+description), it must give rq's commands for that job word for word, the clock fields' values
+aside. Where it does not (an rq that writes a job's values somewhere the template does not
+know), the queue's jobs go through rq's own enqueue, as before. What the check cannot see is
+rq's behaviour for values unlike the sentinels': the template is for what the router enqueues,
+an id of rq's allowed characters (checked) and a description that is not empty (rq writes the
+call itself for an empty one).
 """
 
 from __future__ import annotations
@@ -23,17 +27,20 @@ from importlib.metadata import version
 from typing import Any
 
 from rq import Queue
+from rq.job import validate_job_id
 from rq.utils import now, utcformat
 
 log = logging.getLogger(__name__)
 
-# The job hash fields whose values are the enqueue's clock: a job gets one time for both.
+# The job hash fields whose values are the enqueue's clock. rq reads the clock for each, a few
+# microseconds apart; a job from a template gets one time for both (nothing reads them together).
 CLOCK_FIELDS = frozenset({"created_at", "enqueued_at"})
 
 # rq's commands for (queue, job id, kwargs, description), enqueued as the dispatcher enqueues.
 RqCommands = Callable[[Queue, str, dict[str, object], str], list[tuple[Any, ...]]]
 
-# Stands for the job id in a key or value of the template (no job id holds NULs).
+# Stands for the job id in a key or value of the template: no constant argument holds it, and
+# one str.replace pass puts the id in its place.
 _ID_MARK = "\x00job\x00"
 
 
@@ -88,7 +95,11 @@ class JobTemplate:
     def commands(
         self, job_id: str, kwargs: dict[str, object], description: str
     ) -> list[tuple[Any, ...]]:
-        """rq's enqueue of this job, as its commands."""
+        """rq's enqueue of this job, as its commands (ValueError: an id rq refuses, or an empty
+        description, for which rq writes something else)."""
+        validate_job_id(job_id)
+        if not description:
+            raise ValueError("a job from a template needs a description")
         data = _data(self._serializer, self._func, kwargs)
         job = _Job(job_id, data, description, utcformat(now()))
         return [
