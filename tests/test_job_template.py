@@ -55,13 +55,12 @@ def without_clock(commands: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
     ]
 
 
-@pytest.mark.parametrize(
-    ("worker_id", "attempt"), [(f"w-{uuid.uuid4().hex}", ""), ("", ""), ("", "-2")]
-)
+@pytest.mark.parametrize(("own_queue", "attempt"), [(True, ""), (False, ""), (False, "-2")])
 def test_a_job_from_the_template_is_the_job_rq_makes(
-    dispatcher: Dispatcher, worker_id: str, attempt: str
+    dispatcher: Dispatcher, own_queue: bool, attempt: str
 ) -> None:
     req = request()
+    worker_id = f"w-{uuid.uuid4().hex}" if own_queue else ""  # a worker's queue, or the model's
     req.request_id += attempt  # a retry's job id (router.relay.dispatch._requeue)
     ours = dispatcher._job_commands(req, worker_id)
     queue = dispatcher.queue_for(worker_id, req.model)
