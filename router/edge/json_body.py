@@ -23,7 +23,7 @@ from starlette.responses import Response
 # int (so `seed: 2**64` is refused for its range, not its type): a run of this many digits
 # sends the body to the standard library. The run is looked for in the body with every digit
 # made '9' and every other byte a space (bytes.translate, then a substring search): a regex
-# tried a match at every digit of a prompt's thousand token ids, several times the parse.
+# tried a match at every digit of a prompt's thousand token ids, twice the parse's time.
 LONG_DIGITS = 19
 _DIGITS_ONLY = bytes(ord("9") if b in b"0123456789" else ord(" ") for b in range(256))
 _LONG_RUN = b"9" * LONG_DIGITS
