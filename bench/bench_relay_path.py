@@ -1,15 +1,18 @@
 """The relay's own cost a token, alone: the stream hub, each request's watch and the events'
 decode over a real Redis, without HTTP, FastAPI or a router process.
 
-One embedded Redis; a writer process stands in for a worker: every `--step-ms` it sends ONE
-pipeline with one script call per stream XADDing `--tokens` delta events (a worker's publish,
-`worker.broker.intake.append_events`, in shape). This process runs a StreamHub (under uvloop,
-as the router does) and, per stream, a Watch over the hub's feed, taking its events a read at
-a time and rendering each as an SSE-like chunk. Reported: tokens relayed a second, this
-process's CPU a token (the writer's is its own), and the hub's reads.
+One embedded Redis; a writer process stands in for the workers: each of `--writers` (1) owns
+every `--writers`-th stream and every `--step-ms` sends ONE pipeline with one script call per
+stream XADDing `--tokens` delta events (a worker's publish, `worker.broker.intake.append_events`,
+in shape), the writers' steps spread over a step as independent workers' are. This process
+runs a StreamHub (under uvloop, as the router does) and, per stream, a Watch over the hub's
+feed, taking its events a read at a time and rendering each as an SSE-like chunk. Reported:
+tokens relayed a second, this process's CPU a token (the writer's is its own), and the hub's
+reads.
 
     flock /tmp/mlxcel-bench.lock .venv/bin/python bench/bench_relay_path.py [--quick]
-        [--streams 128] [--step-ms 40] [--tokens 4] [--seconds 6] [--json out.json]
+        [--streams 128] [--step-ms 40] [--tokens 4] [--writers 1] [--seconds 6]
+        [--json out.json]
 
 About 10 s, --quick (a 3 s window) about 6. What bench_routing_scale.py's relay curve adds to
 this is the router around it: HTTP, each request's admission, placement and enqueue, each write
@@ -50,15 +53,20 @@ def request_id(i: int) -> str:
     return f"relay-path-{i}"
 
 
-def writer(url: str, streams: int, step_s: float, tokens: int) -> None:
-    """A worker's publish, every step: one pipeline, one script call per stream."""
+def writer(url: str, streams: int, step_s: float, tokens: int, writers: int) -> None:
+    """Workers' publishes: each of `writers` owns the streams i with i % writers == its number,
+    and every step sends one pipeline, one script call per stream; the writers' steps fall at
+    phases spread over a step, as independent workers' do."""
     r = redis.Redis.from_url(url)
     sha = r.script_load(APPEND_LUA)
     seq = [0] * streams
-    at = time.monotonic()
+    start = time.monotonic()
+    due = [start + step_s * w / writers for w in range(writers)]
     while True:
+        w = min(range(writers), key=due.__getitem__)
+        time.sleep(max(0.0, due[w] - time.monotonic()))
         with r.pipeline(transaction=False) as pipe:
-            for i in range(streams):
+            for i in range(w, streams, writers):
                 events = []
                 for _ in range(tokens):
                     ev = StreamEvent(kind="delta", seq=seq[i], text=" tok", token_ids=[5])
@@ -66,8 +74,7 @@ def writer(url: str, streams: int, step_s: float, tokens: int) -> None:
                     seq[i] += 1
                 pipe.evalsha(sha, 1, keys.request_stream(request_id(i)), STREAM_FIELD, *events)
             pipe.execute()
-        at += step_s
-        time.sleep(max(0.0, at - time.monotonic()))
+        due[w] += step_s
 
 
 async def reader(hub: StreamHub, i: int, counts: list[int]) -> None:
@@ -94,7 +101,7 @@ async def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
     tasks = [asyncio.create_task(reader(hub, i, counts)) for i in range(args.streams)]
     step_s, n = args.step_ms / 1000, args.streams
     proc = multiprocessing.get_context("spawn").Process(
-        target=writer, args=(url, n, step_s, args.tokens), daemon=True
+        target=writer, args=(url, n, step_s, args.tokens, args.writers), daemon=True
     )
     proc.start()
     try:
@@ -114,6 +121,7 @@ async def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
     relayed, cpu, wall = t1 - t0, c1 - c0, w1 - w0
     return {
         "streams": n,
+        "writers": args.writers,
         "offered_tok_s": n * args.tokens / step_s,
         "relayed_tok_s": relayed / wall,
         "cores": cpu / wall,
@@ -128,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", type=int, default=128)
     p.add_argument("--step-ms", type=float, default=40.0)
     p.add_argument("--tokens", type=int, default=4, help="delta events a stream a step")
+    p.add_argument("--writers", type=int, default=1, help="workers writing the streams")
     p.add_argument("--seconds", type=float, default=None, help="the window (6; --quick 3)")
     p.add_argument("--quick", action="store_true")
     output_args(p, "write the numbers here", work_dir=False)
@@ -140,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop()
     print(
-        f"{out['streams']} streams, offered {out['offered_tok_s']:.0f} tok/s: relayed "
+        f"{out['streams']} streams from {out['writers']} writer(s), offered "
+        f"{out['offered_tok_s']:.0f} tok/s: relayed "
         f"{out['relayed_tok_s']:.0f} tok/s at {out['cores']:.3f} cores, "
         f"{out['us_per_token']:.2f} us a token ({out['tokens_per_cpu_s']:.0f} a CPU-second), "
         f"{out['reads_s']:.0f} hub reads a second"
