@@ -21,7 +21,10 @@ def test_a_long_number_is_a_run_of_that_many_ascii_digits(body: bytes) -> None:
     assert has_long_number(body) == (LONG_RUN.search(body) is not None)
 
 
-def test_the_shortest_number_orjson_may_read_as_a_float_is_found() -> None:
+def test_every_number_past_int64_is_found() -> None:
+    """orjson reads an integer past 2**64 - 1 (20 digits) as a float; the check sends every
+    19-digit run on, the shortest that can pass 2**63 - 1 (a seed's bound)."""
+    assert has_long_number(b'{"seed": %d}' % 2**64)  # 20 digits
     assert has_long_number(b'{"seed": %d}' % 2**63)  # 19 digits
     assert not has_long_number(b'{"seed": %d, "prompt": [1, 2]}' % (2**59))  # 18 digits
     assert not has_long_number("²³¹⁴⁵⁶⁷⁸⁹⁰¹²³⁴⁵⁶⁷⁸⁹⁰".encode())  # digits, but not ASCII

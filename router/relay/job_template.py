@@ -71,17 +71,11 @@ class JobTemplate:
     @classmethod
     def made_by(cls, rq_commands: RqCommands, queue: Queue, func: str) -> JobTemplate | None:
         """The queue's template, or None where it does not give rq's commands (see above)."""
-        first, second = _sentinel(), _sentinel()
-        made = rq_commands(queue, first.job_id, _kwargs(first), first.description)
-        sentinel = _Job(
-            first.job_id,
-            _data(queue.serializer, func, _kwargs(first)),
-            first.description,
-            "",
-        )
-        template = cls(queue, func, made, sentinel)
-        theirs = rq_commands(queue, second.job_id, _kwargs(second), second.description)
-        ours = template.commands(second.job_id, _kwargs(second), second.description)
+        first, second = _sentinel(queue, func), _sentinel(queue, func)
+        made = rq_commands(queue, first.job_id, _kwargs(first.job_id), first.description)
+        template = cls(queue, func, made, first)
+        theirs = rq_commands(queue, second.job_id, _kwargs(second.job_id), second.description)
+        ours = template.commands(second.job_id, _kwargs(second.job_id), second.description)
         if _without_clock(ours) != _without_clock(theirs):
             log.warning(
                 "rq %s enqueues on %s otherwise than its template: its jobs go through rq's "
@@ -147,16 +141,13 @@ def _without_clock(commands: Sequence[tuple[Any, ...]]) -> list[tuple[Any, ...]]
     return [tuple("<clock>" if _is_clock(c, i) else a for i, a in enumerate(c)) for c in commands]
 
 
-@dataclass(frozen=True)
-class _Sentinel:
-    job_id: str
-    description: str
-
-
-def _sentinel() -> _Sentinel:
+def _sentinel(queue: Queue, func: str) -> _Job:
+    """A job made up to find where a job's values go in rq's commands (its clock is rq's)."""
     tag = uuid.uuid4().hex
-    return _Sentinel(f"template-{tag}", f"the template's sentinel job {tag}")
+    job_id = f"template-{tag}"
+    data = _data(queue.serializer, func, _kwargs(job_id))
+    return _Job(job_id, data, f"the template's sentinel job {tag}", "")
 
 
-def _kwargs(sentinel: _Sentinel) -> dict[str, object]:
-    return {"request": sentinel.job_id}
+def _kwargs(job_id: str) -> dict[str, object]:
+    return {"request": job_id}
