@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import random
 import uuid
+import zlib
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ from rq.job import Job, JobStatus
 from rq.utils import get_version
 
 from router.relay.dispatch import Dispatcher, describe
-from router.relay.job_template import CLOCK_FIELDS, JobTemplate
+from router.relay.job_template import CLOCK_FIELDS, DATA_LEVEL, JobTemplate
 from shared import keys
 from shared.wire import JOB_FUNC, GenerationRequest, MsgpackSerializer
 
@@ -45,14 +46,26 @@ def clock_values(commands: list[tuple[Any, ...]]) -> set[str]:
     }
 
 
-def without_clock(commands: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-    return [
-        tuple(
-            "<clock>" if c[0] == "HSET" and i > 2 and i % 2 and c[i - 1] in CLOCK_FIELDS else a
-            for i, a in enumerate(c)
-        )
-        for c in commands
+def job_data(commands: list[tuple[Any, ...]]) -> bytes:
+    """The job hash's `data` value, as written."""
+    (data,) = [
+        c[i] for c in commands if c[0] == "HSET" for i in range(3, len(c), 2) if c[i - 1] == "data"
     ]
+    return data
+
+
+def comparable(commands: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """The commands with the clock values as one placeholder and the job's data inflated."""
+
+    def value(c: tuple[Any, ...], i: int) -> Any:
+        if c[0] == "HSET" and i > 2 and i % 2:
+            if c[i - 1] in CLOCK_FIELDS:
+                return "<clock>"
+            if c[i - 1] == "data":
+                return zlib.decompress(c[i])
+        return c[i]
+
+    return [tuple(value(c, i) for i in range(len(c))) for c in commands]
 
 
 @pytest.mark.parametrize(("own_queue", "attempt"), [(True, ""), (False, ""), (False, "-2")])
@@ -67,8 +80,11 @@ def test_a_job_from_the_template_is_the_job_rq_makes(
     assert isinstance(dispatcher._templates[queue.name], JobTemplate)
     kwargs: dict[str, object] = {"request": req.to_wire()}
     theirs = dispatcher._rq_commands(queue, req.request_id, kwargs, describe(req, worker_id))
-    assert without_clock(ours) == without_clock(theirs)
+    assert comparable(ours) == comparable(theirs)
     assert len(clock_values(ours)) == 1  # one time for created_at and enqueued_at
+    # The same data, deflated at the fastest level where rq uses zlib's default.
+    raw = zlib.decompress(job_data(theirs))
+    assert job_data(ours) == zlib.compress(raw, DATA_LEVEL) != job_data(theirs)
 
 
 def test_rq_reads_a_job_from_the_template_as_its_own(dispatcher: Dispatcher) -> None:
@@ -105,6 +121,25 @@ def test_jobs_go_through_rq_where_the_template_does_not_give_its_commands(
     commands = dispatcher._job_commands(req, "")
     assert dispatcher._templates[queue.name] is None
     assert len(clock_values(commands)) == 2  # rq's own: it reads the clock for each field
+
+
+def test_jobs_go_through_rq_where_its_data_is_not_where_the_template_puts_it(
+    dispatcher: Dispatcher,
+) -> None:
+    """An rq that writes the data undeflated: the template finds no place for it."""
+
+    def undeflated(queue: Queue, job_id: str, kwargs: dict[str, object], description: str) -> Any:
+        commands = dispatcher._rq_commands(queue, job_id, kwargs, description)
+        return [
+            tuple(
+                zlib.decompress(a) if c[0] == "HSET" and i > 2 and c[i - 1] == "data" else a
+                for i, a in enumerate(c)
+            )
+            for c in commands
+        ]
+
+    queue = dispatcher.queue_for("", request().model)
+    assert JobTemplate.made_by(undeflated, queue, JOB_FUNC) is None
 
 
 def test_a_template_takes_only_what_rq_would_write_the_same(dispatcher: Dispatcher) -> None:

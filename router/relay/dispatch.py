@@ -93,7 +93,7 @@ class Dispatcher:
         warm_rq), sent as one MULTI/EXEC in the command batch, so the job hash, its TTLs and
         the queue push land together or not at all."""
         build = functools.partial(self._job_commands, req, worker_id)
-        # A long prompt's job (msgpack, then rq's zlib) is built off the event loop.
+        # A long prompt's job (msgpack, then deflate) is built off the event loop.
         long = len(req.prompt_tokens) > INLINE_PROMPT_SIZE
         commands = await anyio.to_thread.run_sync(build) if long else build()
         await self.batch.transaction(commands)

@@ -7,13 +7,17 @@ same commands but for its id (in keys and values), its data, its description and
 template is the command list rq makes for a sentinel job, with those places marked; a job's
 commands are the template with its own values put there.
 
+A job's data is deflated at zlib's fastest level, not rq's default: a prompt of thousands of
+tokens costs several times less to pack, rq's `zlib.decompress` reads it the same, and it comes
+out up to a quarter larger (bench/README.md, bench_job_data.py).
+
 A template checks itself when made: filled in for a second sentinel job (another id, data and
 description), it must give rq's commands for that job word for word, the clock fields' values
-aside. Where it does not (an rq that writes a job's values somewhere the template does not
-know), the queue's jobs go through rq's own enqueue, as before. What the check cannot see is
-rq's behaviour for values unlike the sentinels': the template is for what the router enqueues,
-an id of rq's allowed characters (checked) and a description that is not empty (rq writes the
-call itself for an empty one).
+aside and its data compared inflated. Where it does not (an rq that writes a job's values
+somewhere the template does not know), the queue's jobs go through rq's own enqueue, as before.
+What the check cannot see is rq's behaviour for values unlike the sentinels': the template is
+for what the router enqueues, an id of rq's allowed characters (checked) and a description that
+is not empty (rq writes the call itself for an empty one).
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ CLOCK_FIELDS = frozenset({"created_at", "enqueued_at"})
 
 # rq's commands for (queue, job id, kwargs, description), enqueued as the dispatcher enqueues.
 RqCommands = Callable[[Queue, str, dict[str, object], str], list[tuple[Any, ...]]]
+
+# The job data's deflate level: the fastest (rq's own enqueue uses zlib's default, 6).
+DATA_LEVEL = 1
 
 # Stands for the job id in a key or value of the template: no constant argument holds it, and
 # one str.replace pass puts the id in its place.
@@ -76,7 +83,7 @@ class JobTemplate:
         template = cls(queue, func, made, first)
         theirs = rq_commands(queue, second.job_id, _kwargs(second.job_id), second.description)
         ours = template.commands(second.job_id, _kwargs(second.job_id), second.description)
-        if _without_clock(ours) != _without_clock(theirs):
+        if template._comparable(ours) != template._comparable(theirs):
             log.warning(
                 "rq %s enqueues on %s otherwise than its template: its jobs go through rq's "
                 "own enqueue",
@@ -85,6 +92,24 @@ class JobTemplate:
             )
             return None
         return template
+
+    def _comparable(self, commands: Sequence[tuple[Any, ...]]) -> list[tuple[Any, ...]] | None:
+        """The commands with every clock value as one placeholder (two enqueues never share it)
+        and the data inflated (two levels of deflate differ in bytes, not in what they hold);
+        None where the template's data place holds no deflated data."""
+        if len(commands) != len(self._slots):
+            return None
+        out = []
+        for command, slots in zip(commands, self._slots, strict=True):
+            args = ["<clock>" if _is_clock(command, i) else a for i, a in enumerate(command)]
+            for i, kind, _ in slots or ():
+                if kind == "data":
+                    try:
+                        args[i] = zlib.decompress(command[i])
+                    except (zlib.error, TypeError, IndexError):
+                        return None
+            out.append(tuple(args))
+        return out
 
     def commands(
         self, job_id: str, kwargs: dict[str, object], description: str
@@ -102,10 +127,10 @@ class JobTemplate:
         ]
 
 
-def _data(serializer: Any, func: str, kwargs: dict[str, object]) -> bytes:
-    """A job's data as rq writes it: (function, instance, args, kwargs) serialized, then zlib'd
-    at zlib's default level, as rq's Job.to_dict does."""
-    return zlib.compress(serializer.dumps((func, None, (), kwargs)))
+def _data(serializer: Any, func: str, kwargs: dict[str, object], level: int = DATA_LEVEL) -> bytes:
+    """A job's data: (function, instance, args, kwargs) serialized, then deflated as rq's
+    Job.to_dict does, at `level` (rq's own: zlib's default)."""
+    return zlib.compress(serializer.dumps((func, None, (), kwargs)), level)
 
 
 def _filled(command: tuple[Any, ...], slots: list[_Slot], job: _Job) -> tuple[Any, ...]:
@@ -136,16 +161,12 @@ def _is_clock(command: Sequence[Any], i: int) -> bool:
     return command[0] == "HSET" and i > 2 and i % 2 == 1 and command[i - 1] in CLOCK_FIELDS
 
 
-def _without_clock(commands: Sequence[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-    """The commands with every clock value as one placeholder (two enqueues never share it)."""
-    return [tuple("<clock>" if _is_clock(c, i) else a for i, a in enumerate(c)) for c in commands]
-
-
 def _sentinel(queue: Queue, func: str) -> _Job:
-    """A job made up to find where a job's values go in rq's commands (its clock is rq's)."""
+    """A job made up to find where a job's values go in rq's commands (its data and clock as
+    rq writes them)."""
     tag = uuid.uuid4().hex
     job_id = f"template-{tag}"
-    data = _data(queue.serializer, func, _kwargs(job_id))
+    data = _data(queue.serializer, func, _kwargs(job_id), zlib.Z_DEFAULT_COMPRESSION)
     return _Job(job_id, data, f"the template's sentinel job {tag}", "")
 
 

@@ -1,0 +1,168 @@
+"""A generation job's data: what deflating it costs the router at rq's level and at the
+template's (router/relay/job_template.py), and how large it comes out.
+
+The router enqueues every request as an rq job whose data is the request (its prompt's token
+ids) packed with msgpack and deflated. rq deflates at zlib's default level (6); the template
+deflates at DATA_LEVEL (1). Per prompt, side by side in each round (order alternating):
+the data at each level (us and bytes), and the whole job's commands as the template builds
+them, for scale. Prompts: the routing bench's (1,024 uniform ids), English-like text and this
+repository's own Python source (what agent stacks send), tokenized by the bench model's
+tokenizer, at 1k, 8k and 32k tokens. No pool: one embedded Redis for rq's server version.
+
+    flock /tmp/mlxcel-bench.lock .venv/bin/python bench/bench_job_data.py [--quick]
+        [--rounds 5] [--json out.json]
+
+About 30 s (--quick: 1k and 8k prompts, 3 rounds, about 10 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+import uuid
+import zlib
+from typing import Any
+
+import redis
+from common import REPO, announce, bench_model_dir, corpus_text, output_args, table, write_json
+from rq.utils import get_version
+
+from mlxcel_pool.redis_server import start_redis
+from router.relay import job_template
+from router.relay.dispatch import Dispatcher
+from shared.wire import JOB_FUNC, GenerationRequest, MsgpackSerializer
+
+RQ_LEVEL = zlib.Z_DEFAULT_COMPRESSION
+
+
+def prompts(quick: bool) -> dict[str, list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(bench_model_dir()), local_files_only=True)
+    rng = random.Random(7)
+    english = tok.encode(corpus_text(11, 32_768 * 8), add_special_tokens=False)
+    source = "\n".join(p.read_text() for p in sorted((REPO / "router").rglob("*.py")))
+    python = tok.encode(source, add_special_tokens=False)
+    sizes = (1024, 8192) if quick else (1024, 8192, 32768)
+    out = {"uniform ids 1k": [rng.randrange(5, 1024) for _ in range(1024)]}
+    for name, ids in (("English", english), ("Python source", python)):
+        for n in sizes:
+            if len(ids) >= n:
+                out[f"{name} {n // 1024}k"] = ids[:n]
+    return out
+
+
+def per_call_us(fn: Any, seconds: float = 0.25) -> float:
+    """The median of a few timed batches of calls, in us a call."""
+    fn()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds / 5:
+        fn()
+        n += 1
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        times.append((time.perf_counter() - t) / n * 1e6)
+    return statistics.median(times)
+
+
+def measure(dispatcher: Dispatcher, ids: list[int], rounds: int) -> dict[str, float]:
+    req = GenerationRequest(uuid.uuid4().hex, "bench-model", ids, max_tokens=64)
+    kwargs: dict[str, object] = {"request": req.to_wire()}
+    levels = {"rq": RQ_LEVEL, "template": job_template.DATA_LEVEL}
+    us: dict[str, list[float]] = {side: [] for side in levels}
+    for r in range(rounds):
+        for side in sorted(levels, reverse=bool(r % 2)):
+            level = levels[side]
+            us[side].append(
+                per_call_us(
+                    lambda level=level: job_template._data(
+                        MsgpackSerializer, JOB_FUNC, kwargs, level
+                    )
+                )
+            )
+    sizes = {
+        s: len(job_template._data(MsgpackSerializer, JOB_FUNC, kwargs, lv))
+        for s, lv in levels.items()
+    }
+    job_us = per_call_us(lambda: dispatcher._job_commands(req, "w1"))
+    packed = len(MsgpackSerializer.dumps((JOB_FUNC, None, (), kwargs)))
+    rq_us, ours_us = statistics.median(us["rq"]), statistics.median(us["template"])
+    return {
+        "tokens": len(ids),
+        "packed_bytes": packed,
+        "rq_us": rq_us,
+        "template_us": ours_us,
+        "us_ratio": ours_us / rq_us,
+        "rq_bytes": sizes["rq"],
+        "template_bytes": sizes["template"],
+        "bytes_ratio": sizes["template"] / sizes["rq"],
+        "job_us": job_us,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="1k and 8k prompts, 3 rounds")
+    p.add_argument("--rounds", type=int, default=0, help="rounds a prompt (5; quick 3)")
+    output_args(p, "write the figures as JSON here", work_dir=False)
+    args = p.parse_args(argv)
+    rounds = args.rounds or (3 if args.quick else 5)
+    machine = announce()
+    server = start_redis()
+    try:
+        r = redis.Redis.from_url(server.url)
+        get_version(r)  # what Dispatcher.warm_rq reads at startup
+        d = Dispatcher.__new__(Dispatcher)
+        d.sync_redis, d.job_timeout_s, d._queues, d._templates = r, 900, {}, {}
+        warm = GenerationRequest(uuid.uuid4().hex, "bench-model", [5] * 64, max_tokens=1)
+        for _ in range(200):  # the queue's template made, the code paths warm
+            d._job_commands(warm, "w1")
+        rows = {name: measure(d, ids, rounds) for name, ids in prompts(args.quick).items()}
+    finally:
+        server.stop()
+    print(
+        f"a job's data (msgpack, then deflate) at rq's level (zlib's default) and at the "
+        f"template's (DATA_LEVEL={job_template.DATA_LEVEL}): us to make it and its bytes; "
+        f"medians of {rounds} rounds, sides alternating"
+    )
+    print(
+        table(
+            [
+                "prompt",
+                "packed B",
+                "data us rq",
+                "template",
+                "template/rq",
+                "B rq",
+                "template",
+                "template/rq",
+                "whole job us",
+            ],
+            [
+                [
+                    name,
+                    m["packed_bytes"],
+                    f"{m['rq_us']:.1f}",
+                    f"{m['template_us']:.1f}",
+                    f"{m['us_ratio']:.3f}",
+                    m["rq_bytes"],
+                    m["template_bytes"],
+                    f"{m['bytes_ratio']:.3f}",
+                    f"{m['job_us']:.1f}",
+                ]
+                for name, m in rows.items()
+            ],
+        )
+    )
+    print("(whole job: the template's commands for the job, its data at the template's level)")
+    write_json(args.json, {"machine": machine, "rounds": rounds, "prompts": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
