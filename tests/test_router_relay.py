@@ -72,9 +72,7 @@ def model_id(tiny_model_dir: Path) -> str:
     return tiny_model_dir.resolve().name
 
 
-def take_jobs(
-    r: redis.Redis, n: int, timeout: float = 5.0
-) -> list[tuple[Job, GenerationRequest]]:
+def take_jobs(r: redis.Redis, n: int, timeout: float = 5.0) -> list[tuple[Job, GenerationRequest]]:
     """Wait for the router's first n jobs in the shared queue (a request's choices, in its
     order) and decode them the way a worker would."""
     queue = Queue(SHARED_QUEUE, connection=r, serializer=MsgpackSerializer)
