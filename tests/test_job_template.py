@@ -142,6 +142,69 @@ def test_jobs_go_through_rq_where_its_data_is_not_where_the_template_puts_it(
     assert JobTemplate.made_by(undeflated, queue, JOB_FUNC) is None
 
 
+def rq_writing_data(dispatcher: Dispatcher, second: Any) -> Any:
+    """rq's commands as rq makes them for the template's first sentinel, and with the data
+    replaced by `second(data)` for the second (the self-check's)."""
+    calls = []
+
+    def commands(queue: Queue, job_id: str, kwargs: dict[str, object], description: str) -> Any:
+        made = dispatcher._rq_commands(queue, job_id, kwargs, description)
+        calls.append(job_id)
+        if len(calls) == 1:
+            return made
+        return [
+            tuple(
+                second(a) if c[0] == "HSET" and i > 2 and c[i - 1] == "data" else a
+                for i, a in enumerate(c)
+            )
+            for c in made
+        ]
+
+    return commands
+
+
+@pytest.mark.parametrize(
+    "second",
+    [
+        lambda data: zlib.compress(zlib.decompress(data) + b"x"),  # other data, deflated
+        lambda data: b"not deflated at all",
+        lambda data: "a str",
+    ],
+    ids=["other data", "not deflated", "a str"],
+)
+def test_the_self_check_compares_the_data_it_holds(dispatcher: Dispatcher, second: Any) -> None:
+    queue = dispatcher.queue_for("", request().model)
+    assert JobTemplate.made_by(rq_writing_data(dispatcher, second), queue, JOB_FUNC) is None
+
+
+def test_a_template_finds_data_rq_deflated_at_another_level(dispatcher: Dispatcher) -> None:
+    """The data's place is found by what it inflates to, not by rq's bytes."""
+
+    def level_9(queue: Queue, job_id: str, kwargs: dict[str, object], description: str) -> Any:
+        return [
+            tuple(
+                zlib.compress(zlib.decompress(a), 9)
+                if c[0] == "HSET" and i > 2 and c[i - 1] == "data"
+                else a
+                for i, a in enumerate(c)
+            )
+            for c in dispatcher._rq_commands(queue, job_id, kwargs, description)
+        ]
+
+    queue = dispatcher.queue_for("", request().model)
+    assert isinstance(JobTemplate.made_by(level_9, queue, JOB_FUNC), JobTemplate)
+
+
+def test_a_template_rq_commands_it_cannot_read_are_refused(dispatcher: Dispatcher) -> None:
+    """An exception while the template is made leaves the queue on rq's own enqueue."""
+
+    def with_unhashable_field(queue: Queue, *args: Any) -> Any:
+        return [*dispatcher._rq_commands(queue, *args), ("HSET", "k", ["a list"], "v")]
+
+    queue = dispatcher.queue_for("", request().model)
+    assert JobTemplate.made_by(with_unhashable_field, queue, JOB_FUNC) is None
+
+
 def test_a_template_takes_only_what_rq_would_write_the_same(dispatcher: Dispatcher) -> None:
     req = request()
     dispatcher._job_commands(req, "")
