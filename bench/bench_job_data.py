@@ -1,13 +1,17 @@
-"""A generation job's data: what deflating it costs the router at rq's level and at the
-template's (router/relay/job_template.py), and how large it comes out.
+"""A generation job's data: what making it costs the router at rq's deflate level and at the
+template's (router/relay/job_template.py), how large it comes out, and what writing it back at
+the job's end costs the worker.
 
 The router enqueues every request as an rq job whose data is the request (its prompt's token
 ids) packed with msgpack and deflated. rq deflates at zlib's default level (6); the template
-deflates at DATA_LEVEL (1). Per prompt, side by side in each round (order alternating):
-the data at each level (us and bytes), and the whole job's commands as the template builds
-them, for scale. Prompts: the routing bench's (1,024 uniform ids), English-like text and this
-repository's own Python source (what agent stacks send), tokenized by the bench model's
-tokenizer, at 1k, 8k and 32k tokens. No pool: one embedded Redis for rq's server version.
+deflates at DATA_LEVEL (1). At a job's end the worker saves the job's hash, as rq's worker
+does: rq's Job.to_dict deflates the data again, the worker's PoolJob writes back the bytes it
+read (worker/broker/intake.py). Per prompt, side by side in each round (order alternating):
+the data made at each level (msgpack and deflate, us) and its bytes; a job's end (to_dict of
+the job as read back from Redis) by rq's Job and by PoolJob; and, once, the template's whole
+job, for scale. Prompts: the routing bench's (1,024 uniform ids), English-like text and the
+Python source of this repository's router/ (code, as agent stacks send), tokenized by the bench
+model's tokenizer, at 1k, 8k and 32k tokens. No pool: one embedded Redis.
 
     flock /tmp/mlxcel-bench.lock .venv/bin/python bench/bench_job_data.py [--quick]
         [--rounds 5] [--json out.json]
@@ -27,12 +31,14 @@ from typing import Any
 
 import redis
 from common import REPO, announce, bench_model_dir, corpus_text, output_args, table, write_json
+from rq.job import Job
 from rq.utils import get_version
 
 from mlxcel_pool.redis_server import start_redis
 from router.relay import job_template
 from router.relay.dispatch import Dispatcher
 from shared.wire import JOB_FUNC, GenerationRequest, MsgpackSerializer
+from worker.broker.intake import PoolJob
 
 RQ_LEVEL = zlib.Z_DEFAULT_COMPRESSION
 
@@ -92,6 +98,7 @@ def measure(dispatcher: Dispatcher, ids: list[int], rounds: int) -> dict[str, fl
     job_us = per_call_us(lambda: dispatcher._job_commands(req, "w1"))
     packed = len(MsgpackSerializer.dumps((JOB_FUNC, None, (), kwargs)))
     rq_us, ours_us = statistics.median(us["rq"]), statistics.median(us["template"])
+    end = job_end_us(dispatcher, req, rounds)
     return {
         "tokens": len(ids),
         "packed_bytes": packed,
@@ -102,7 +109,32 @@ def measure(dispatcher: Dispatcher, ids: list[int], rounds: int) -> dict[str, fl
         "template_bytes": sizes["template"],
         "bytes_ratio": sizes["template"] / sizes["rq"],
         "job_us": job_us,
+        "end_rq_us": end["rq"],
+        "end_worker_us": end["worker"],
+        "end_ratio": end["worker"] / end["rq"],
     }
+
+
+def job_end_us(dispatcher: Dispatcher, req: GenerationRequest, rounds: int) -> dict[str, float]:
+    """The job's hash as a worker saves it at the job's end (to_dict, as rq's save calls it),
+    by rq's Job and by the worker's PoolJob, each restored from what the template wrote."""
+    r = dispatcher.sync_redis
+    with r.pipeline(transaction=True) as pipe:
+        for command in dispatcher._job_commands(req, "w1"):
+            pipe.execute_command(*command)
+        pipe.execute()
+    raw = r.hgetall(f"rq:job:{req.request_id}")
+    jobs: dict[str, Job] = {}
+    for side, cls in (("rq", Job), ("worker", PoolJob)):
+        job = cls(req.request_id, connection=r, serializer=MsgpackSerializer)
+        job.restore(raw)
+        jobs[side] = job
+    us: dict[str, list[float]] = {side: [] for side in jobs}
+    for n in range(rounds):
+        for side in sorted(jobs, reverse=bool(n % 2)):
+            job = jobs[side]
+            us[side].append(per_call_us(lambda job=job: job.to_dict(False, False)))
+    return {side: statistics.median(v) for side, v in us.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,9 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop()
     print(
-        f"a job's data (msgpack, then deflate) at rq's level (zlib's default) and at the "
-        f"template's (DATA_LEVEL={job_template.DATA_LEVEL}): us to make it and its bytes; "
-        f"medians of {rounds} rounds, sides alternating"
+        f"the router: a job's data made (msgpack, then deflate) at rq's level (zlib's default) "
+        f"and at the template's (DATA_LEVEL={job_template.DATA_LEVEL}), us and bytes; medians "
+        f"of {rounds} rounds, sides alternating"
     )
     print(
         table(
@@ -141,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                 "B rq",
                 "template",
                 "template/rq",
-                "whole job us",
+                "whole job us (once)",
             ],
             [
                 [
@@ -160,6 +192,25 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     print("(whole job: the template's commands for the job, its data at the template's level)")
+    print()
+    print(
+        "the worker: a job's hash at its end (to_dict as save calls it), by rq's Job (the data "
+        f"deflated again) and by PoolJob (the bytes read); us, medians of {rounds} rounds"
+    )
+    print(
+        table(
+            ["prompt", "rq's Job us", "PoolJob us", "PoolJob/rq"],
+            [
+                [
+                    name,
+                    f"{m['end_rq_us']:.1f}",
+                    f"{m['end_worker_us']:.1f}",
+                    f"{m['end_ratio']:.3f}",
+                ]
+                for name, m in rows.items()
+            ],
+        )
+    )
     write_json(args.json, {"machine": machine, "rounds": rounds, "prompts": rows})
     return 0
 

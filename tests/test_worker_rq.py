@@ -331,3 +331,42 @@ def test_a_job_whose_start_redis_lost_is_reclaimed_by_its_taker_only(redis_url) 
     assert r.lrange(queue.intermediate_queue_key, 0, -1) == []
     assert r.lrange(shared.key, 0, -1) == [waiting.encode()]
     assert intake.reclaim_unstarted(tickets) == [False, False, False]  # reclaimed once
+
+
+@pytest.mark.parametrize("outcome", ["finished", "failed"])
+def test_a_jobs_end_writes_back_its_data_as_it_was_read(redis_url, outcome: str) -> None:
+    """rq's save at a job's end deflates the data again at its own level: the worker writes
+    back the bytes it read (the router's, deflated at the fastest level), which rq still reads
+    as the job's call."""
+    import zlib
+
+    from worker.broker.intake import JobEnd, JobOutcome, RqIntake, own_queues
+    from worker.broker.presence import WorkerPresence
+
+    r = redis.Redis.from_url(redis_url)
+    presence = WorkerPresence(
+        r, "w1", own_queues(r, "w1", TINY_MODEL), {"worker_id": "w1", "model": TINY_MODEL}
+    )
+    presence.arrive({})
+    intake = RqIntake(presence)
+    rid = enqueue(r, list(range(5, 900)))
+    key = f"rq:job:{rid}"
+    fastest = zlib.compress(zlib.decompress(r.hget(key, "data")), 1)
+    r.hset(key, "data", fastest)  # as the router's job template writes it
+    (taken,) = intake.take(1, None)
+    assert taken.id == rid and taken.request is not None
+    end = JobEnd(taken, JobOutcome(outcome), {"text": "x"}, "it failed")
+    with r.pipeline(transaction=False) as pipe:
+        intake.end(pipe, end)
+        pipe.execute()
+    assert r.hget(key, "data") == fastest  # not deflated again (rq's level differs in bytes)
+    job = Job.fetch(rid, connection=r, serializer=MsgpackSerializer)
+    assert job.get_status() == outcome
+    assert job.kwargs["request"]["prompt_tokens"] == list(range(5, 900))
+
+    # A job whose call was changed after it was read is written as rq writes it.
+    taken.job.kwargs = {"request": {**taken.job.kwargs["request"], "max_tokens": 3}}
+    taken.job.save()
+    assert r.hget(key, "data") != fastest
+    job = Job.fetch(rid, connection=r, serializer=MsgpackSerializer)
+    assert job.kwargs["request"]["max_tokens"] == 3

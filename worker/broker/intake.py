@@ -100,12 +100,38 @@ class MalformedJobHash(ValueError):
 
 class PoolJob(Job):
     """rq's Job, except that a hash without `data` is an error naming it, not a silent skip
-    (rq's dequeue drops such an id and leaves the hash `queued` for ever)."""
+    (rq's dequeue drops such an id and leaves the hash `queued` for ever), and that its data,
+    unchanged since it was read, is written back as it was read: a job's end saves the whole
+    hash (as rq's own worker does), where rq deflates the data again, which for a long prompt
+    took milliseconds of the cores the model runs on."""
+
+    # (the data as read, inflated; as read) while the job's data is the one it was read with.
+    _read_data: tuple[bytes, bytes] | None = None
 
     def restore(self, raw_data: Any) -> Any:
         if raw_data and b"data" not in raw_data and "data" not in raw_data:
             raise MalformedJobHash("the job hash has no data field")
-        return super().restore(raw_data)
+        restored = super().restore(raw_data)
+        stored = raw_data.get(b"data", raw_data.get("data")) if raw_data else None
+        # Kept only when rq inflated it: data rq read as it was (not deflated) goes its way.
+        if isinstance(stored, bytes) and isinstance(self._data, bytes) and self._data is not stored:
+            self._read_data = (self._data, stored)
+        return restored
+
+    def to_dict(self, include_meta: bool = True, include_result: bool = True) -> dict[str, Any]:
+        read = self._read_data
+        if read is None or self._data is not read[0]:  # never read, or its call was changed
+            return super().to_dict(include_meta, include_result)
+        # rq's to_dict deflates `self.data` again: it gets nothing to deflate, and the hash
+        # gets the bytes it held. One thread writes a job's end, and nothing reads an ended
+        # job's data, so no reader sees it emptied meanwhile.
+        self._data = b""
+        try:
+            obj = super().to_dict(include_meta, include_result)
+        finally:
+            self._data = read[0]
+        obj["data"] = read[1]
+        return obj
 
 
 # One stream's events of a step and its TTL, in one atomic write: a stream is never created
