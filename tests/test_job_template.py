@@ -110,17 +110,45 @@ def test_jobs_go_through_rq_where_the_template_does_not_give_its_commands(
 ) -> None:
     """An rq that writes a job's id in a form the template does not know (here, hashed)."""
 
+    rq_commands = dispatcher._rq_commands
+
     def hashed(queue: Queue, job_id: str, kwargs: dict[str, object], description: str) -> Any:
-        commands = dispatcher._rq_commands(queue, job_id, kwargs, description)
+        commands = rq_commands(queue, job_id, kwargs, description)
         return [*commands, ("SET", hashlib.sha1(job_id.encode()).hexdigest(), "1")]
 
     req = request()
     queue = dispatcher.queue_for("", req.model)
     assert JobTemplate.made_by(hashed, queue, JOB_FUNC) is None
-    dispatcher._templates[queue.name] = None  # what _job_commands keeps for such a queue
+    dispatcher._rq_commands = hashed  # type: ignore[method-assign]  # this rq, for the dispatcher
     commands = dispatcher._job_commands(req, "")
+    assert queue.name in dispatcher._templates and dispatcher._templates[queue.name] is None
+    assert commands[-1][0] == "SET"  # this rq's own commands
+    assert len(clock_values(commands)) == 2  # rq's: it reads the clock for each field
+    later = request()
+    later.model = req.model  # the queue's next job: the verdict stands, rq's commands again
+    assert dispatcher._job_commands(later, "")[-1][0] == "SET"
     assert dispatcher._templates[queue.name] is None
-    assert len(clock_values(commands)) == 2  # rq's own: it reads the clock for each field
+
+
+def test_a_redis_error_while_a_template_is_made_leaves_no_verdict(dispatcher: Dispatcher) -> None:
+    """Redis unreachable at a queue's first job (rq reads the server's version): the enqueue
+    fails as rq's own would, and the queue's next job makes its template again."""
+
+    def unreachable(*args: Any) -> Any:
+        raise redis.ConnectionError("Redis is restarting")
+
+    req = request()
+    queue = dispatcher.queue_for("", req.model)
+    with pytest.raises(redis.ConnectionError):
+        JobTemplate.made_by(unreachable, queue, JOB_FUNC)
+    rq_commands = dispatcher._rq_commands
+    dispatcher._rq_commands = unreachable  # type: ignore[method-assign]
+    with pytest.raises(redis.ConnectionError):
+        dispatcher._job_commands(req, "")
+    assert queue.name not in dispatcher._templates
+    dispatcher._rq_commands = rq_commands  # type: ignore[method-assign]  # Redis is back
+    dispatcher._job_commands(req, "")
+    assert isinstance(dispatcher._templates[queue.name], JobTemplate)
 
 
 def test_jobs_go_through_rq_where_its_data_is_not_where_the_template_puts_it(
