@@ -23,14 +23,23 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import time
 import uuid
 import zlib
 from typing import Any
 
 import redis
-from common import REPO, announce, bench_model_dir, corpus_text, output_args, table, write_json
+from common import (
+    REPO,
+    announce,
+    bench_model_dir,
+    corpus_text,
+    load_hf_tokenizer,
+    median,
+    output_args,
+    table,
+    write_json,
+)
 from rq.job import Job
 from rq.utils import get_version
 
@@ -44,9 +53,7 @@ RQ_LEVEL = zlib.Z_DEFAULT_COMPRESSION
 
 
 def prompts(quick: bool) -> dict[str, list[int]]:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(bench_model_dir()), local_files_only=True)
+    tok = load_hf_tokenizer(bench_model_dir())
     rng = random.Random(7)
     english = tok.encode(corpus_text(11, 32_768 * 8), add_special_tokens=False)
     source = "\n".join(p.read_text() for p in sorted((REPO / "router").rglob("*.py")))
@@ -73,7 +80,7 @@ def per_call_us(fn: Any, seconds: float = 0.25) -> float:
         for _ in range(n):
             fn()
         times.append((time.perf_counter() - t) / n * 1e6)
-    return statistics.median(times)
+    return median(times)
 
 
 def measure(dispatcher: Dispatcher, ids: list[int], rounds: int) -> dict[str, float]:
@@ -97,7 +104,7 @@ def measure(dispatcher: Dispatcher, ids: list[int], rounds: int) -> dict[str, fl
     }
     job_us = per_call_us(lambda: dispatcher._job_commands(req, "w1"))
     packed = len(MsgpackSerializer.dumps((JOB_FUNC, None, (), kwargs)))
-    rq_us, ours_us = statistics.median(us["rq"]), statistics.median(us["template"])
+    rq_us, ours_us = median(us["rq"]), median(us["template"])
     end = job_end_us(dispatcher, req, rounds)
     return {
         "tokens": len(ids),
@@ -134,7 +141,7 @@ def job_end_us(dispatcher: Dispatcher, req: GenerationRequest, rounds: int) -> d
         for side in sorted(jobs, reverse=bool(n % 2)):
             job = jobs[side]
             us[side].append(per_call_us(lambda job=job: job.to_dict(False, False)))
-    return {side: statistics.median(v) for side, v in us.items()}
+    return {side: median(v) for side, v in us.items()}
 
 
 def main(argv: list[str] | None = None) -> int:

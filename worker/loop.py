@@ -344,7 +344,9 @@ class WorkerLoop:
         )
         self.outbox.abandon()
         dropped = self.engine.fail_all("the worker lost Redis mid-request", REDIS_UNAVAILABLE)
-        self._hold.clear()  # their streams go on no further
+        # What they held is not written: the publish in flight may not have landed, so it
+        # could follow a gap; each stream gets its request's error alone (_fail_orphans).
+        self._hold.clear()
         lost_at = time.monotonic()
         delay = RECONNECT_MIN_S
         standing: Standing | None = None

@@ -68,7 +68,8 @@ class EventHold:
         of their own (the pool dropped them, the worker lost Redis), so their streams go on no
         further."""
         if self._held:
-            for request_id in [r for r in self._held if r not in running]:
+            live = set(running)
+            for request_id in [r for r in self._held if r not in live]:
                 del self._held[request_id]
 
     def clear(self) -> None:
