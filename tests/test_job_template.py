@@ -242,3 +242,40 @@ def test_a_template_takes_only_what_rq_would_write_the_same(dispatcher: Dispatch
         template.commands("a:b", {"request": req.to_wire()}, "d")
     with pytest.raises(ValueError, match="description"):
         template.commands(req.request_id, {"request": req.to_wire()}, "")
+
+
+def test_a_requests_choices_are_enqueued_all_or_none(
+    dispatcher: Dispatcher, redis_url: str
+) -> None:
+    """enqueue_all sends every choice's job in one transaction: a worker finds them all queued
+    together, and a choice whose job cannot be made leaves none of the others queued."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from router.redis_batch import RedisBatch
+
+    model = request().model
+    choices = [request() for _ in range(3)]
+    for gen in choices:
+        gen.model = model
+
+    async def enqueue(jobs: list[tuple[GenerationRequest, str]]) -> None:
+        aredis = aioredis.Redis.from_url(redis_url)
+        dispatcher.batch = RedisBatch(aredis)
+        try:
+            await dispatcher.enqueue_all(jobs)
+        finally:
+            await dispatcher.batch.stop()
+            await aredis.aclose()
+
+    bad = request()
+    bad.model, bad.request_id = model, "not:an:id"  # rq refuses it
+    with pytest.raises(ValueError, match="Job ID"):
+        asyncio.run(enqueue([(choices[0], ""), (bad, ""), (choices[1], "")]))
+    queue = dispatcher.queue_for("", model)
+    assert queue.job_ids == []
+    assert not dispatcher.sync_redis.exists(f"rq:job:{choices[0].request_id}")
+
+    asyncio.run(enqueue([(gen, "") for gen in choices]))
+    assert queue.job_ids == [gen.request_id for gen in choices]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
@@ -87,14 +86,22 @@ class Dispatcher:
         return q
 
     async def enqueue(self, req: GenerationRequest, worker_id: str = "") -> None:
-        """Put the job on the worker's queue, or the shared one: rq's enqueue as commands (its
-        queue's template filled in, or rq's own written into a pipeline that never runs: rq
-        does no I/O for a job without dependencies once it has read the server's version,
-        warm_rq), sent as one MULTI/EXEC in the command batch, so the job hash, its TTLs and
-        the queue push land together or not at all."""
-        build = functools.partial(self._job_commands, req, worker_id)
-        # A long prompt's job (msgpack, then deflate) is built off the event loop.
-        long = len(req.prompt_tokens) > INLINE_PROMPT_SIZE
+        """Put the job on the worker's queue, or the shared one (see enqueue_all)."""
+        await self.enqueue_all([(req, worker_id)])
+
+    async def enqueue_all(self, jobs: list[tuple[GenerationRequest, str]]) -> None:
+        """Put each job on its worker's queue, or the shared one ("" for a worker): rq's
+        enqueue as commands (its queue's template filled in, or rq's own written into a
+        pipeline that never runs: rq does no I/O for a job without dependencies once it has
+        read the server's version, warm_rq), all of them sent as one MULTI/EXEC in the command
+        batch, so every job hash, its TTLs and its queue push land together or none does: a
+        request's choices reach their worker's queue at once, and it takes them together."""
+
+        def build() -> list[tuple[Any, ...]]:
+            return [c for req, worker_id in jobs for c in self._job_commands(req, worker_id)]
+
+        # Long prompts' jobs (msgpack, then deflate) are built off the event loop.
+        long = sum(len(req.prompt_tokens) for req, _ in jobs) > INLINE_PROMPT_SIZE
         commands = await anyio.to_thread.run_sync(build) if long else build()
         await self.batch.transaction(commands)
 

@@ -119,16 +119,16 @@ async def _place_all(state: RouterState, admission: Admission) -> list[Placement
 async def _enqueue_all(
     state: RouterState, gens: list[GenerationRequest], placed: list[Placement]
 ) -> None:
-    enqueued = 0
+    """Every choice in one transaction: a worker takes a request's choices together, so the
+    choices of one prompt compute it once (worker/engine/shared_prompt.py)."""
     try:
-        for gen, where in zip(gens, placed, strict=True):
-            await state.dispatcher.enqueue(gen, where.worker_id)
-            enqueued += 1
+        jobs = [(gen, where.worker_id) for gen, where in zip(gens, placed, strict=True)]
+        await state.dispatcher.enqueue_all(jobs)
     except BaseException:
-        # None of the request is answered: the choices already enqueued are cancelled (no
-        # worker runs them for nobody) and every choice's reservation goes.
-        # The one whose enqueue failed too: Redis may have applied it before its reply was lost.
-        await state.dispatcher.cancel([gen.request_id for gen in gens[: enqueued + 1]])
+        # None of the request is answered: its choices are cancelled (Redis may have applied
+        # the transaction before its reply was lost; no worker runs them for nobody) and every
+        # choice's reservation goes.
+        await state.dispatcher.cancel([gen.request_id for gen in gens])
         await _release_all(state, gens)
         raise
 
