@@ -51,7 +51,12 @@ def test_worker_survives_a_redis_restart(start_worker) -> None:
         r = redis.Redis.from_url(server.url)
 
         _wait(lambda: r.exists(keys.worker_info("w1")), 20, "the worker registered again")
-        assert [x.name for x in Worker.all(connection=r)] == ["mlxcel-w1"]
+        # rq's record follows the liveness hash (WorkerPresence.arrive writes them in turn).
+        _wait(
+            lambda: [x.name for x in Worker.all(connection=r)] == ["mlxcel-w1"],
+            5,
+            "rq lists the worker again",
+        )
         assert w.proc.poll() is None
         events = read_events(r, enqueue(r, [8, 9, 10], max_tokens=4))
         assert events[-1].kind == "done" and events[-1].completion_tokens == 4
