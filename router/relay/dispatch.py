@@ -97,13 +97,16 @@ class Dispatcher:
         batch, so every job hash, its TTLs and its queue push land together or none does: a
         request's choices reach their worker's queue at once, and it takes them together."""
 
-        def build() -> list[tuple[Any, ...]]:
-            return [c for req, worker_id in jobs for c in self._job_commands(req, worker_id)]
-
         # Long prompts' jobs (msgpack, then deflate) are built off the event loop.
         long = sum(len(req.prompt_tokens) for req, _ in jobs) > INLINE_PROMPT_SIZE
-        commands = await anyio.to_thread.run_sync(build) if long else build()
+        if long:
+            commands = await anyio.to_thread.run_sync(self._jobs_commands, jobs)
+        else:
+            commands = self._jobs_commands(jobs)
         await self.batch.transaction(commands)
+
+    def _jobs_commands(self, jobs: list[tuple[GenerationRequest, str]]) -> list[tuple[Any, ...]]:
+        return [c for req, worker_id in jobs for c in self._job_commands(req, worker_id)]
 
     def _job_commands(self, req: GenerationRequest, worker_id: str) -> list[tuple[Any, ...]]:
         """rq's enqueue of the request's job, as the commands of its transaction: its queue's
