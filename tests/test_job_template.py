@@ -6,6 +6,7 @@ import hashlib
 import random
 import uuid
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -46,6 +47,24 @@ def clock_values(commands: list[tuple[Any, ...]]) -> set[str]:
     }
 
 
+def hash_values(
+    commands: list[tuple[Any, ...]], change: Callable[[str, Any], Any]
+) -> list[tuple[Any, ...]]:
+    """The commands with each HSET value v of field f as change(f, v)."""
+    return [
+        tuple(
+            change(c[i - 1], a) if c[0] == "HSET" and i > 2 and i % 2 else a
+            for i, a in enumerate(c)
+        )
+        for c in commands
+    ]
+
+
+def data_as(change: Callable[[bytes], Any]) -> Callable[[str, Any], Any]:
+    """For hash_values: the `data` value changed, the others as they are."""
+    return lambda field, value: change(value) if field == "data" else value
+
+
 def job_data(commands: list[tuple[Any, ...]]) -> bytes:
     """The job hash's `data` value, as written."""
     (data,) = [
@@ -56,16 +75,27 @@ def job_data(commands: list[tuple[Any, ...]]) -> bytes:
 
 def comparable(commands: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
     """The commands with the clock values as one placeholder and the job's data inflated."""
+    inflated = data_as(zlib.decompress)
+    return hash_values(
+        commands, lambda field, v: "<clock>" if field in CLOCK_FIELDS else inflated(field, v)
+    )
 
-    def value(c: tuple[Any, ...], i: int) -> Any:
-        if c[0] == "HSET" and i > 2 and i % 2:
-            if c[i - 1] in CLOCK_FIELDS:
-                return "<clock>"
-            if c[i - 1] == "data":
-                return zlib.decompress(c[i])
-        return c[i]
 
-    return [tuple(value(c, i) for i in range(len(c))) for c in commands]
+def rq_writing_data(
+    dispatcher: Dispatcher, change: Callable[[bytes], Any], from_call: int = 1
+) -> Any:
+    """rq's commands as rq makes them, with the job's data as change(data) from the
+    `from_call`-th call on (the template's first sentinel is the first call, its self-check's
+    the second)."""
+    rq_commands = dispatcher._rq_commands
+    calls: list[str] = []
+
+    def commands(queue: Queue, job_id: str, kwargs: dict[str, object], description: str) -> Any:
+        made = rq_commands(queue, job_id, kwargs, description)
+        calls.append(job_id)
+        return made if len(calls) < from_call else hash_values(made, data_as(change))
+
+    return commands
 
 
 @pytest.mark.parametrize(("own_queue", "attempt"), [(True, ""), (False, ""), (False, "-2")])
@@ -155,40 +185,9 @@ def test_jobs_go_through_rq_where_its_data_is_not_where_the_template_puts_it(
     dispatcher: Dispatcher,
 ) -> None:
     """An rq that writes the data undeflated: the template finds no place for it."""
-
-    def undeflated(queue: Queue, job_id: str, kwargs: dict[str, object], description: str) -> Any:
-        commands = dispatcher._rq_commands(queue, job_id, kwargs, description)
-        return [
-            tuple(
-                zlib.decompress(a) if c[0] == "HSET" and i > 2 and c[i - 1] == "data" else a
-                for i, a in enumerate(c)
-            )
-            for c in commands
-        ]
-
+    undeflated = rq_writing_data(dispatcher, zlib.decompress)
     queue = dispatcher.queue_for("", request().model)
     assert JobTemplate.made_by(undeflated, queue, JOB_FUNC) is None
-
-
-def rq_writing_data(dispatcher: Dispatcher, second: Any) -> Any:
-    """rq's commands as rq makes them for the template's first sentinel, and with the data
-    replaced by `second(data)` for the second (the self-check's)."""
-    calls = []
-
-    def commands(queue: Queue, job_id: str, kwargs: dict[str, object], description: str) -> Any:
-        made = dispatcher._rq_commands(queue, job_id, kwargs, description)
-        calls.append(job_id)
-        if len(calls) == 1:
-            return made
-        return [
-            tuple(
-                second(a) if c[0] == "HSET" and i > 2 and c[i - 1] == "data" else a
-                for i, a in enumerate(c)
-            )
-            for c in made
-        ]
-
-    return commands
 
 
 @pytest.mark.parametrize(
@@ -202,23 +201,13 @@ def rq_writing_data(dispatcher: Dispatcher, second: Any) -> Any:
 )
 def test_the_self_check_compares_the_data_it_holds(dispatcher: Dispatcher, second: Any) -> None:
     queue = dispatcher.queue_for("", request().model)
-    assert JobTemplate.made_by(rq_writing_data(dispatcher, second), queue, JOB_FUNC) is None
+    second_only = rq_writing_data(dispatcher, second, from_call=2)
+    assert JobTemplate.made_by(second_only, queue, JOB_FUNC) is None
 
 
 def test_a_template_finds_data_rq_deflated_at_another_level(dispatcher: Dispatcher) -> None:
     """The data's place is found by what it inflates to, not by rq's bytes."""
-
-    def level_9(queue: Queue, job_id: str, kwargs: dict[str, object], description: str) -> Any:
-        return [
-            tuple(
-                zlib.compress(zlib.decompress(a), 9)
-                if c[0] == "HSET" and i > 2 and c[i - 1] == "data"
-                else a
-                for i, a in enumerate(c)
-            )
-            for c in dispatcher._rq_commands(queue, job_id, kwargs, description)
-        ]
-
+    level_9 = rq_writing_data(dispatcher, lambda data: zlib.compress(zlib.decompress(data), 9))
     queue = dispatcher.queue_for("", request().model)
     assert isinstance(JobTemplate.made_by(level_9, queue, JOB_FUNC), JobTemplate)
 

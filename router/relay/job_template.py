@@ -58,7 +58,7 @@ class _Job:
     """The values that differ from job to job, as rq writes them."""
 
     job_id: str
-    data: bytes  # deflated (a sentinel's: serialized only, what its deflated data inflates to)
+    data: bytes  # deflated
     description: str
     clock: str
 
@@ -155,13 +155,14 @@ def _filled(command: tuple[Any, ...], slots: list[_Slot], job: _Job) -> tuple[An
 
 def _slots(command: tuple[Any, ...], sentinel: _Job) -> list[_Slot] | None:
     """The command's slots; None for a command that holds no job value. The data's place is
-    the argument that inflates to the sentinel's (`sentinel.data`, not deflated), whatever
-    level rq deflated it at."""
+    the argument that inflates to what the sentinel's data does, whatever level rq deflated
+    it at."""
+    packed = zlib.decompress(sentinel.data)
     slots: list[_Slot] = []
     for i, arg in enumerate(command):
         if isinstance(arg, str) and sentinel.job_id in arg:
             slots.append((i, "id", arg.replace(sentinel.job_id, _ID_MARK)))
-        elif isinstance(arg, bytes) and _inflated(arg) == sentinel.data:
+        elif isinstance(arg, bytes) and _inflated(arg) == packed:
             slots.append((i, "data", ""))
         elif arg == sentinel.description:
             slots.append((i, "description", ""))
@@ -184,12 +185,12 @@ def _inflated(arg: bytes) -> bytes | None:
 
 
 def _sentinel(queue: Queue, func: str) -> _Job:
-    """A job made up to find where a job's values go in rq's commands (its data serialized,
-    not deflated: rq deflates it)."""
+    """A job made up to find where a job's values go in rq's commands (its data deflated at
+    rq's level, its clock rq's)."""
     tag = uuid.uuid4().hex
     job_id = f"template-{tag}"
-    packed = queue.serializer.dumps((func, None, (), _kwargs(job_id)))
-    return _Job(job_id, packed, f"the template's sentinel job {tag}", "")
+    data = _data(queue.serializer, func, _kwargs(job_id), zlib.Z_DEFAULT_COMPRESSION)
+    return _Job(job_id, data, f"the template's sentinel job {tag}", "")
 
 
 def _kwargs(job_id: str) -> dict[str, object]:
