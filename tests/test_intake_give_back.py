@@ -49,12 +49,12 @@ def test_a_take_cut_short_gives_its_job_back_to_the_front_of_its_queue(rig: Any)
     own = _own(intake)
     (shared,) = [q for q in intake.queues if q is not own]
     first = enqueue(r, [1, 2, 3], queue=own.name)
-    # The take's second look at the queues fails (a real Redis error, as a failover's would):
-    # its own queue is empty by then and the shared queue's key is no list. The job it took
-    # first is off its queue and not started.
+    # An idle worker's take: its blocking pop finds the job, then its look for more fails (a
+    # real Redis error, as a failover's would): the shared queue's key is no list. The job it
+    # took first is off its queue and not started.
     r.set(shared.key, "not a list")
     with pytest.raises(redis.ResponseError):
-        intake.take(4, None)
+        intake.take(4, 1.0)
     assert r.lrange(own.key, 0, -1) == []
     assert _status(r, first) == JobStatus.QUEUED  # in no one's hands
 

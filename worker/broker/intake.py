@@ -57,6 +57,36 @@ redis.call('LPUSH', KEYS[1], ARGV[1])
 return 1
 """
 
+# The jobs already queued, taken without blocking in one step: up to ARGV[1] ids off the queues
+# in their order (each queue's oldest first), each with its job hash. rq's non-blocking dequeue
+# pops one queue at a time and fetches each job it found by itself, a round trip for each, and
+# an idle worker's take paid them before its first step. A popped id whose hash is gone comes
+# back with an empty one (rq skips it). A queue key that is no list fails the take before any
+# pop: a script's error keeps what it did before, and a job popped by a failing call would be
+# in no one's hands.
+# KEYS: the queues. ARGV: how many jobs at most, rq's job key prefix. Returns {{queue's index
+# in KEYS, job id, {field, value, ...}}, ...}.
+TAKE_QUEUED_LUA = """
+for q = 1, #KEYS do
+  local kind = redis.call('TYPE', KEYS[q]).ok
+  if kind ~= 'list' and kind ~= 'none' then
+    return redis.error_reply('WRONGTYPE the queue ' .. KEYS[q] .. ' is a ' .. kind)
+  end
+end
+local left, out = tonumber(ARGV[1]), {}
+for q = 1, #KEYS do
+  if left <= 0 then break end
+  local ids = redis.call('LPOP', KEYS[q], left)
+  if ids then
+    for _, id in ipairs(ids) do
+      out[#out + 1] = {q, id, redis.call('HGETALL', ARGV[2] .. id)}
+    end
+    left = left - #ids
+  end
+end
+return out
+"""
+
 
 @dataclass(eq=False)
 class TakenJob:
@@ -199,6 +229,7 @@ class RqIntake:
         # them.
         self._in_hand: dict[str, Job] = {}
         self._give_back = self.connection.register_script(GIVE_BACK_LUA)
+        self._take_queued = self.connection.register_script(TAKE_QUEUED_LUA)
 
     @property
     def name(self) -> str:
@@ -258,10 +289,14 @@ class RqIntake:
         """Dequeue up to `max_jobs` jobs: block up to `block_s` for the first one (None: don't
         block), then take what is already queued. Each job taken is marked started (Execution,
         StartedJobRegistry) in one pipeline."""
-        first = self._dequeue(None if block_s is None else max(1, round(block_s)))
-        if first is None:
-            return []
-        return self._start(self._take_more([first], max_jobs, 0.0))
+        taken: list[tuple[Job, Queue]] = []
+        if block_s is not None:
+            first = self._dequeue(max(1, round(block_s)))
+            if first is None:
+                return []
+            taken.append(first)
+        taken = self._take_more(taken, max_jobs, 0.0)
+        return self._start(taken) if taken else []
 
     def take_from(self, queue: Queue, max_jobs: int) -> list[TakenJob]:
         """Take up to `max_jobs` jobs from another worker's queue (peer_queues), without
@@ -301,16 +336,47 @@ class RqIntake:
         deadline = time.monotonic() + window_s
         quiet_until = time.monotonic() + min(GATHER_GAP_S, window_s)
         while len(taken) < max_jobs:
-            got = self._dequeue(None)
+            wanted = max_jobs - len(taken)
+            got = self._dequeue_queued(wanted)
             now = time.monotonic()
-            if got is not None:
-                taken.append(got)
+            taken += got
+            if got:
                 quiet_until = now + GATHER_GAP_S
+                if len(got) < wanted and now >= deadline:  # the queues are empty: no wait left
+                    break
             elif now >= min(deadline, quiet_until):
                 break
             else:
                 time.sleep(0.001)
         return taken
+
+    def _dequeue_queued(self, max_jobs: int) -> list[tuple[Job, Queue]]:
+        """Up to `max_jobs` jobs already queued, in the queues' order, in one round trip
+        (TAKE_QUEUED_LUA): what rq's non-blocking dequeue gives a call at a time. As there, a
+        popped id whose hash is gone is skipped, and a job rq cannot load is failed here and
+        counts as nothing taken; only Redis errors raise."""
+        rows = self._take_queued(
+            keys=self.queue_keys, args=[max_jobs, Job.redis_job_namespace_prefix]
+        )
+        got: list[tuple[Job, Queue]] = []
+        unloadable: list[tuple[str, Queue, str]] = []
+        for index, raw_id, flat in rows:
+            queue, job_id = self.queues[int(index) - 1], raw_id.decode()
+            if not flat:
+                continue
+            try:
+                job = PoolJob(job_id, connection=self.connection, serializer=MsgpackSerializer)
+                job.restore(dict(zip(flat[::2], flat[1::2], strict=True)))
+            except Exception as exc:
+                log.warning("job %s: rq cannot load it: %s: %s", job_id, type(exc).__name__, exc)
+                unloadable.append((job_id, queue, _describe(exc)))
+                continue
+            self._in_hand[job.id] = job
+            got.append((job, queue))
+        # After every loaded job is in hand: a Redis error here leaves none of them unheld.
+        for job_id, queue, error in unloadable:
+            self._fail_unloadable(job_id, queue, error)
+        return got
 
     def _dequeue(
         self, timeout: int | None, queues: list[Queue] | None = None

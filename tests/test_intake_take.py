@@ -1,0 +1,84 @@
+"""A worker's take of the jobs already queued (worker/broker/intake.py, TAKE_QUEUED_LUA), on a
+real Redis: its own queue before its model's, at most as many as it has room for, the ids whose
+hash is gone skipped and a job rq cannot load failed alone, and a queue key that is no list
+failing the take before anything leaves a queue."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any
+
+import pytest
+import redis
+from rq import Queue
+from rq.job import Job, JobStatus
+from rq.registry import FailedJobRegistry
+
+from shared import keys
+from shared.wire import MsgpackSerializer
+from tests.streams import TINY_MODEL, enqueue
+from worker.broker.intake import RqIntake, own_queues
+from worker.broker.presence import WorkerPresence
+
+WID = "w-take"
+
+
+@pytest.fixture
+def rig(redis_url: str) -> tuple[redis.Redis, RqIntake, Queue, Queue]:
+    r = redis.Redis.from_url(redis_url)
+    info = {"worker_id": WID, "model": TINY_MODEL, "pid": str(os.getpid()), "host": "h"}
+    presence = WorkerPresence(r, WID, own_queues(r, WID, TINY_MODEL), info)
+    presence.arrive({})
+    intake = RqIntake(presence)
+    for q in intake.queues:
+        r.delete(q.key, q.intermediate_queue_key)
+    (own,) = [q for q in intake.queues if q.name == keys.worker_queue_name(WID)]
+    (shared,) = [q for q in intake.queues if q is not own]
+    return r, intake, own, shared
+
+
+def _status(r: redis.Redis, job_id: str) -> JobStatus:
+    job = Job.fetch(job_id, connection=r, serializer=MsgpackSerializer)
+    return job.get_status(refresh=False)
+
+
+def test_queued_jobs_are_taken_own_queue_first_up_to_the_room_left(rig: Any) -> None:
+    r, intake, own, shared = rig
+    theirs = enqueue(r, [7, 8, 9], queue=shared.name)
+    mine = [enqueue(r, [1, 2, 3], queue=own.name), enqueue(r, [4, 5, 6], queue=own.name)]
+    assert [t.id for t in intake.take(2, None)] == mine
+    assert [t.id for t in intake.take(4, None)] == [theirs]
+    assert intake.take(4, None) == []
+    assert all(_status(r, rid) == JobStatus.STARTED for rid in [*mine, theirs])
+    assert r.llen(own.key) == 0 and r.llen(shared.key) == 0
+
+
+def test_a_gone_hash_is_skipped_and_an_unloadable_job_fails_alone(rig: Any) -> None:
+    r, intake, own, shared = rig
+    first = enqueue(r, [1, 2, 3], queue=own.name)
+    r.rpush(own.key, uuid.uuid4().hex)  # an id whose hash is gone (rq skips it)
+    broken = uuid.uuid4().hex  # a hash rq cannot load: no data
+    r.hset(Job.key_for(broken), mapping={"status": JobStatus.QUEUED.value})
+    r.rpush(own.key, broken)
+    last = enqueue(r, [4, 5, 6], queue=shared.name)
+    assert [t.id for t in intake.take(8, None)] == [first, last]
+    assert r.hget(Job.key_for(broken), "status") == JobStatus.FAILED.value.encode()
+    failed = FailedJobRegistry(own.name, connection=r, serializer=MsgpackSerializer)
+    assert broken in failed.get_job_ids()
+    assert intake.give_back() == 0  # every job it took is started or failed
+    assert r.llen(own.key) == 0 and r.llen(shared.key) == 0
+
+
+def test_a_queue_that_is_no_list_fails_the_take_before_any_job_leaves_its_queue(
+    rig: Any,
+) -> None:
+    r, intake, own, shared = rig
+    waiting = enqueue(r, [1, 2, 3], queue=own.name)
+    r.set(shared.key, "not a list")
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        intake.take(4, None)
+    assert r.lrange(own.key, 0, -1) == [waiting.encode()]  # still queued, on its queue
+    assert intake.give_back() == 0  # nothing was in hand
+    r.delete(shared.key)
+    assert [t.id for t in intake.take(4, None)] == [waiting]
