@@ -107,3 +107,31 @@ def test_a_steady_load_keeps_the_roster_view_fresh_and_a_light_one_reads_it_once
         return seen
 
     assert asyncio.run(run()) == [(False, 0), (True, 1), (False, 1), (True, 2)]
+
+
+def test_a_started_catalog_keeps_the_view_fresh_through_a_quiet_spell(
+    tiny_model_dir: Path, redis_url: str
+) -> None:
+    """With its background read running, a request after a quiet spell longer than the view's
+    life (a single user's next request) finds the view fresh: admitted on the loop, with no
+    roster read of its own before its placement."""
+    catalog = ModelCatalog(
+        AdmissionContext(MODEL, load_tokenizer(tiny_model_dir), 16),
+        0,
+        redis.Redis.from_url(redis_url),
+        BlockHasher(16),
+        1,
+    )
+
+    async def run() -> list[bool]:
+        await catalog.start()
+        seen = []
+        try:
+            for _ in range(3):
+                await asyncio.sleep(LIVE_CACHE_S * 1.2)  # quiet: no request reads the roster
+                seen.append(catalog.ready(MODEL))
+        finally:
+            await catalog.stop()
+        return seen
+
+    assert asyncio.run(run()) == [True, True, True]

@@ -46,9 +46,12 @@ log = logging.getLogger(__name__)
 
 # How long a router trusts its last look at which models have live workers.
 LIVE_CACHE_S = 1.0
-# How often each router process looks at the roster for models it cannot serve, so a worker whose
-# model's files are not here is reported when it registers, not at the first request for it.
-WATCH_S = 2.0
+# How often each router process reads the roster in the background: the requests' view, kept
+# younger than the half of LIVE_CACHE_S that ready() asks of it, so a request after a quiet spell
+# (a single user's next one) is admitted on the loop without reading the roster first (two round
+# trips and a thread's wake before its placement); and a worker whose model's files are not here
+# is reported when it registers, not at the first request for it.
+WATCH_S = LIVE_CACHE_S / 3
 # How long a model that failed to load is refused without trying again: a broken tokenizer is
 # not loaded again for every request, and mended files are found this soon.
 RECHECK_S = 5.0
@@ -256,8 +259,8 @@ class ModelCatalog:
         return live
 
     async def start(self) -> None:
-        """Watch the roster in the background (every WATCH_S), so a model this router cannot
-        serve is logged when its worker registers."""
+        """Read the roster in the background (every WATCH_S): the requests' view stays fresh,
+        and a model this router cannot serve is logged when its worker registers."""
         self._task = asyncio.create_task(self._watch(), name="model-catalog")
 
     async def stop(self) -> None:
@@ -270,14 +273,16 @@ class ModelCatalog:
     async def _watch(self) -> None:
         while True:
             try:
-                # Its own read, not the requests' LIVE_CACHE_S cache: a request after a quiet
-                # spell reads the roster itself, as it would without the watch.
-                await anyio.to_thread.run_sync(lambda: self._screen(self._read_live()))
+                await anyio.to_thread.run_sync(self._read_and_screen)
             except redis.RedisError as exc:  # requests report an unreachable Redis themselves
                 log.debug("model catalog: roster unreadable (%s); looking again later", exc)
             except Exception:  # a bug here must not end the watch for the process's life
                 log.exception("model catalog: the roster check failed; looking again later")
             await asyncio.sleep(WATCH_S)
+
+    def _read_and_screen(self) -> None:
+        self._read_live_now()
+        self._screen(self._live)
 
     def _screen(self, live: dict[str, LiveModel]) -> None:
         """Refuse each live model not yet loaded whose files this host lacks; forget the
