@@ -15,11 +15,13 @@ Sides, measured in turn within each repeat (both pools stay up, idle between tur
 Per side and level: TTFT (send -> first content chunk), inter-token latency (a request's
 (last chunk - first chunk) / (completion tokens - 1), so chunk coalescing does not skew it),
 and generated tokens/s over the level's wall time. One stream: `--sequential` requests one after
-another; sixteen: sixteen at once. Ratios are against loopback of the same repeat; medians over
+another (`--think-s`: that long apart, as a user reading each answer; the pauses are not in the
+tok/s); sixteen: sixteen at once. Ratios are against loopback of the same repeat; medians over
 the repeats are printed last.
 
     flock /tmp/mlxcel-bench.lock .venv/bin/python bench/bench_multihost.py [--quick]
-        [--rtt 0,0.5,1,2] [--levels 1,16] [--repeats 3] [--model bench|tiny] [--json out.json]
+        [--rtt 0,0.5,1,2] [--levels 1,16] [--repeats 3] [--think-s 0] [--model bench|tiny]
+        [--json out.json]
 
 Needs root (`ip netns`) and gcc. Only addresses inside the namespaces it makes (10.77.0.0/24);
 it deletes them when it ends, also on failure or a signal.
@@ -72,13 +74,21 @@ POOL_ENV = {"MLXCEL_PROMPT_CACHE_ENABLED": "false"}
 
 
 async def _level(
-    url: str, model: str, prompts: list[str], streams: int, sequential: int, max_tokens: int
+    url: str,
+    model: str,
+    prompts: list[str],
+    streams: int,
+    sequential: int,
+    max_tokens: int,
+    think_s: float = 0.0,
 ) -> dict[str, Any]:
     async with new_client(url, streams) as client:
 
         async def one_stream(i: int) -> list[Any]:
             out = []
             for j in range(sequential):
+                if j and think_s:  # a user reading the last answer before asking again
+                    await asyncio.sleep(think_s)
                 prompt = prompts[(i * sequential + j) % len(prompts)]
                 body = completion_body(model, prompt, max_tokens)
                 out.append(await stream_request(client, "/v1/completions", body))
@@ -88,7 +98,7 @@ async def _level(
         runs = [
             r for rs in await asyncio.gather(*(one_stream(i) for i in range(streams))) for r in rs
         ]
-        wall = time.perf_counter() - start
+        wall = time.perf_counter() - start - think_s * (sequential - 1)
     itl = [
         (r.last - r.first) / (r.completion_tokens - 1)
         for r in runs
@@ -110,7 +120,13 @@ def load_main(args: argparse.Namespace) -> None:
         sequential = spec["sequential"] if streams == 1 else 1
         out[str(streams)] = asyncio.run(
             _level(
-                spec["url"], spec["model"], spec["prompts"], streams, sequential, spec["max_tokens"]
+                spec["url"],
+                spec["model"],
+                spec["prompts"],
+                streams,
+                sequential,
+                spec["max_tokens"],
+                spec.get("think_s", 0.0) if streams == 1 else 0.0,
             )
         )
     print(json.dumps(out), flush=True)
@@ -271,6 +287,12 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--sequential", type=int, default=6, help="requests in the one-stream level")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--think-s",
+        type=float,
+        default=0.0,
+        help="pause between the one-stream level's requests (a user reading each answer)",
+    )
     p.add_argument("--model", choices=["bench", "tiny"], default="bench")
     p.add_argument("--quick", action="store_true", help="tiny model, 1 repeat, rtt 0,1")
     p.add_argument("--load", help=argparse.SUPPRESS)  # the client's process
@@ -294,6 +316,10 @@ def main() -> int:
     levels = [int(x) for x in args.levels.split(",")]
     results = Results("multihost")
     machine = announce()
+    print(
+        f"# one stream: {args.sequential} requests of {args.max_tokens} tokens, "
+        f"{args.think_s:g} s apart; sixteen at once"
+    )
     model_dir = bench_model_dir() if args.model == "bench" else tiny_model_dir()
     tok = load_hf_tokenizer(model_dir)
     prompts = distinct_prompts(tok, 64, 24, seed=300)
@@ -314,6 +340,7 @@ def main() -> int:
             "levels": levels,
             "sequential": args.sequential,
             "max_tokens": args.max_tokens,
+            "think_s": args.think_s,
         }
         for rep in range(args.repeats):
             sides: list[tuple[str, float]] = [("loopback", -1.0), *[("rtt", r) for r in rtts]]
