@@ -67,3 +67,17 @@ def test_a_placed_request_not_taken_yet_is_waited_for(rig: Any) -> None:
     more = intake.gather(1, window_s=2 * GAP_S, held={taken.id})
     thread.join()
     assert [j.id for j in more] == late  # it waited, and took the job that came
+
+
+def test_a_placed_request_taken_by_the_gathers_own_look_is_not_waited_for(rig: Any) -> None:
+    """The placements are read in the look that takes what is queued: a placed request that
+    look took is no burst still on its way."""
+    r, intake = rig
+    first = enqueue(r, [1, 2, 3], queue=_own())
+    (taken,) = intake.take(4, None)
+    queued = enqueue(r, [4, 5, 6], queue=_own())
+    r.hset(keys.worker_prefill(WID), mapping={first: 3, queued: 3})
+    started = time.monotonic()
+    more = intake.gather(4, window_s=2 * GAP_S, held={taken.id})
+    assert [j.id for j in more] == [queued]
+    assert time.monotonic() - started < GAP_S / 2

@@ -82,3 +82,15 @@ def test_a_queue_that_is_no_list_fails_the_take_before_any_job_leaves_its_queue(
     assert intake.give_back() == 0  # nothing was in hand
     r.delete(shared.key)
     assert [t.id for t in intake.take(4, None)] == [waiting]
+
+
+def test_an_idle_take_blocks_for_the_first_job_then_takes_the_rest_with_it(rig: Any) -> None:
+    r, intake, own, shared = rig
+    theirs = enqueue(r, [7, 8, 9], queue=shared.name)
+    mine = enqueue(r, [1, 2, 3], queue=own.name)
+    assert [t.id for t in intake.take(4, 1.0)] == [mine, theirs]
+    gone = uuid.uuid4().hex  # popped by the blocking pop, its hash gone: nothing taken
+    r.rpush(own.key, gone)
+    assert intake.take(4, 1.0) == []
+    assert intake.give_back() == 0 and r.llen(own.key) == 0
+    assert intake.take(4, 1.0) == []  # nothing queued: the block runs out

@@ -57,15 +57,18 @@ redis.call('LPUSH', KEYS[1], ARGV[1])
 return 1
 """
 
-# The jobs already queued, taken without blocking in one step: up to ARGV[1] ids off the queues
-# in their order (each queue's oldest first), each with its job hash. rq's non-blocking dequeue
-# pops one queue at a time and fetches each job it found by itself, a round trip for each, and
-# an idle worker's take paid them before its first step. A popped id whose hash is gone comes
-# back with an empty one (rq skips it). A queue key that is no list fails the take before any
-# pop: a script's error keeps what it did before, and a job popped by a failing call would be
-# in no one's hands.
-# KEYS: the queues. ARGV: how many jobs at most, rq's job key prefix. Returns {{queue's index
-# in KEYS, job id, {field, value, ...}}, ...}.
+# A take's look at the queues, in one step: up to ARGV[1] ids off the queues in their order (each
+# queue's oldest first), each with its job hash; first the hash of the job a blocking pop just
+# took (ARGV[3], off the queue KEYS[ARGV[4]]), when there is one; and the request ids the
+# routers' placements name for this worker (the hash ARGV[5]), when asked. rq's dequeue pops one
+# queue at a time and fetches each job it found by itself, a round trip for each, and an idle
+# worker's take paid them, and its look at the placements, before its first step. A popped id
+# whose hash is gone comes back with an empty one (rq skips it). A queue key that is no list
+# fails the look before any pop: a script's error keeps what it did before, and a job popped by
+# a failing call would be in no one's hands.
+# KEYS: the queues. ARGV: how many jobs at most (the popped one included), rq's job key prefix,
+# the popped job's id and its queue's index in KEYS ('' and 0: none), the placements' key (''
+# for none). Returns {{{queue's index in KEYS, job id, {field, value, ...}}, ...}, {placed ids}}.
 TAKE_QUEUED_LUA = """
 for q = 1, #KEYS do
   local kind = redis.call('TYPE', KEYS[q]).ok
@@ -74,6 +77,10 @@ for q = 1, #KEYS do
   end
 end
 local left, out = tonumber(ARGV[1]), {}
+if ARGV[3] ~= '' then
+  out[1] = {tonumber(ARGV[4]), ARGV[3], redis.call('HGETALL', ARGV[2] .. ARGV[3])}
+  left = left - 1
+end
 for q = 1, #KEYS do
   if left <= 0 then break end
   local ids = redis.call('LPOP', KEYS[q], left)
@@ -84,7 +91,9 @@ for q = 1, #KEYS do
     left = left - #ids
   end
 end
-return out
+local placed = {}
+if ARGV[5] ~= '' then placed = redis.call('HKEYS', ARGV[5]) end
+return {out, placed}
 """
 
 
@@ -289,13 +298,12 @@ class RqIntake:
         """Dequeue up to `max_jobs` jobs: block up to `block_s` for the first one (None: don't
         block), then take what is already queued. Each job taken is marked started (Execution,
         StartedJobRegistry) in one pipeline."""
-        taken: list[tuple[Job, Queue]] = []
+        popped = None
         if block_s is not None:
-            first = self._dequeue(max(1, round(block_s)))
-            if first is None:
+            popped = self._blocking_pop(max(1, round(block_s)))
+            if popped is None:
                 return []
-            taken.append(first)
-        taken = self._take_more(taken, max_jobs, 0.0)
+        taken, _ = self._look(max_jobs, popped)
         return self._start(taken) if taken else []
 
     def take_from(self, queue: Queue, max_jobs: int) -> list[TakenJob]:
@@ -316,56 +324,77 @@ class RqIntake:
         the ids it runs); otherwise what is queued now is taken and nothing is waited for: a
         lone request (a single user's) starts at once. A request's other choices are not in
         the placements: one that comes a step late starts from its group-mate's computed prompt
-        (worker/engine/shared_prompt.py), as any late group-mate does."""
+        (worker/engine/shared_prompt.py), as any late group-mate does. The first look takes
+        what is queued and reads the placements in one round trip."""
         if max_jobs <= 0 or window_s <= 0:
             return []
-        if not self._placed_not_held(held):
-            window_s = 0.0
-        taken = self._take_more([], max_jobs, window_s)
+        taken, placed = self._look(max_jobs, placements=True)
+        held = held | {job.id for job, _ in taken}
+        if len(taken) < max_jobs and any(rid not in held for rid in placed):
+            taken = self._take_more(taken, max_jobs, window_s)
         return self._start(taken) if taken else []
-
-    def _placed_not_held(self, held: set[str]) -> bool:
-        """Whether the routers' placements name a request for this worker that it has not
-        taken: the prefill hash holds each placed request until a router sees it start."""
-        placed = self.connection.hkeys(keys.worker_prefill(self.presence.worker_id))
-        return any(rid.decode() not in held for rid in placed)
 
     def _take_more(
         self, taken: list[tuple[Job, Queue]], max_jobs: int, window_s: float
     ) -> list[tuple[Job, Queue]]:
+        """What arrives until a pause of GATHER_GAP_S or the window's end, a look a ms."""
         deadline = time.monotonic() + window_s
         quiet_until = time.monotonic() + min(GATHER_GAP_S, window_s)
         while len(taken) < max_jobs:
-            wanted = max_jobs - len(taken)
-            got = self._dequeue_queued(wanted)
+            got, _ = self._look(max_jobs - len(taken))
             now = time.monotonic()
             taken += got
             if got:
                 quiet_until = now + GATHER_GAP_S
-                if len(got) < wanted and now >= deadline:  # the queues are empty: no wait left
-                    break
             elif now >= min(deadline, quiet_until):
                 break
             else:
                 time.sleep(0.001)
         return taken
 
-    def _dequeue_queued(self, max_jobs: int) -> list[tuple[Job, Queue]]:
-        """Up to `max_jobs` jobs already queued, in the queues' order, in one round trip
-        (TAKE_QUEUED_LUA): what rq's non-blocking dequeue gives a call at a time. As there, a
-        popped id whose hash is gone is skipped, and a job rq cannot load is failed here and
-        counts as nothing taken; only Redis errors raise."""
-        rows = self._take_queued(
-            keys=self.queue_keys, args=[max_jobs, Job.redis_job_namespace_prefix]
+    def _blocking_pop(self, timeout: int) -> tuple[PoolJob, Queue] | None:
+        """rq's blocking dequeue of several queues (Queue.dequeue_any's BLPOP), the job not
+        fetched yet (the look after it fetches it): in hand from here, so a take cut short
+        gives it back."""
+        got = self.connection.blpop(self.queue_keys, timeout)
+        if got is None:
+            return None
+        key, raw_id = got
+        (queue,) = [q for q in self.queues if q.key == key.decode()]
+        job = PoolJob(raw_id.decode(), connection=self.connection, serializer=MsgpackSerializer)
+        job.origin = queue.name
+        self._in_hand[job.id] = job
+        return job, queue
+
+    def _look(
+        self,
+        max_jobs: int,
+        popped: tuple[PoolJob, Queue] | None = None,
+        placements: bool = False,
+    ) -> tuple[list[tuple[Job, Queue]], list[str]]:
+        """Up to `max_jobs` jobs (`popped`, a blocking pop's, first), in the queues' order,
+        and with `placements` the ids the routers placed on this worker, in one round trip
+        (TAKE_QUEUED_LUA): what rq's dequeue gives a call at a time. As there, an id whose hash
+        is gone is skipped, and a job rq cannot load is failed here and counts as nothing
+        taken; only Redis errors raise."""
+        first, index = ("", 0) if popped is None else (popped[0].id, self.queues.index(popped[1]))
+        prefill = keys.worker_prefill(self.presence.worker_id) if placements else ""
+        rows, placed = self._take_queued(
+            keys=self.queue_keys,
+            args=[max_jobs, Job.redis_job_namespace_prefix, first, index + 1, prefill],
         )
         got: list[tuple[Job, Queue]] = []
         unloadable: list[tuple[str, Queue, str]] = []
-        for index, raw_id, flat in rows:
-            queue, job_id = self.queues[int(index) - 1], raw_id.decode()
+        for row, (q, raw_id, flat) in enumerate(rows):
+            queue, job_id = self.queues[int(q) - 1], raw_id.decode()
+            if popped is not None and row == 0:
+                job = popped[0]
+                del self._in_hand[job_id]  # back only once restored
+            else:
+                job = PoolJob(job_id, connection=self.connection, serializer=MsgpackSerializer)
             if not flat:
                 continue
             try:
-                job = PoolJob(job_id, connection=self.connection, serializer=MsgpackSerializer)
                 job.restore(dict(zip(flat[::2], flat[1::2], strict=True)))
             except Exception as exc:
                 log.warning("job %s: rq cannot load it: %s: %s", job_id, type(exc).__name__, exc)
@@ -376,7 +405,7 @@ class RqIntake:
         # After every loaded job is in hand: a Redis error here leaves none of them unheld.
         for job_id, queue, error in unloadable:
             self._fail_unloadable(job_id, queue, error)
-        return got
+        return got, [rid.decode() for rid in placed]
 
     def _dequeue(
         self, timeout: int | None, queues: list[Queue] | None = None
