@@ -15,6 +15,7 @@ from router.admission.inline import INLINE_PROMPT_SIZE, admits_inline
 from router.admission.tokenization import TokenizerPool, load_tokenizer
 from router.edge.openai_types import ChatCompletionRequest, CompletionRequest
 from router.pool_view.model_catalog import LIVE_CACHE_S, ModelCatalog
+from shared import keys
 from shared.block_hash import BlockHasher
 
 SHORT = "Say hello."
@@ -135,3 +136,39 @@ def test_a_started_catalog_keeps_the_view_fresh_through_a_quiet_spell(
         return seen
 
     assert asyncio.run(run()) == [True, True, True]
+
+
+def test_a_listing_and_a_model_the_view_lacks_see_the_roster_as_it_is_now(
+    tiny_model_dir: Path, redis_url: str
+) -> None:
+    """The view may be a moment old (the watch reads it every WATCH_S): GET /v1/models and a
+    lookup of a model the view lacks read the roster again, so a worker that just registered is
+    listed and found, not refused as unknown."""
+    r = redis.Redis.from_url(redis_url)
+    catalog = ModelCatalog(
+        AdmissionContext(MODEL, load_tokenizer(tiny_model_dir), 16),
+        0,
+        r,
+        BlockHasher(16),
+        1,
+    )
+    assert "just-registered" not in catalog.live()  # the view, read now
+    wid = "w-just-registered"
+    info = {
+        "model": "just-registered",
+        "model_dir": str(tiny_model_dir),
+        "task": "embedding",
+        "embedding_dimensions": "8",
+    }
+    r.hset(keys.worker_info(wid), mapping=info)
+    r.expire(keys.worker_info(wid), keys.LIVENESS_TTL_S)
+    r.sadd(keys.workers_roster(), wid)
+    try:
+        assert "just-registered" not in catalog.live()  # the view, a moment old
+        assert catalog.embedding_model("just-registered") is None
+        found = catalog.embedding_model("just-registered", fresh=True)
+        assert found is not None and found.model_id == "just-registered"
+        assert "just-registered" in catalog.listed()
+    finally:
+        r.srem(keys.workers_roster(), wid)
+        r.delete(keys.worker_info(wid))

@@ -141,6 +141,8 @@ class ModelCatalog:
         if ctx is not None:
             return ctx
         live = self.live().get(model_id)
+        if live is None:  # a worker of it may have registered since the view was read
+            live = self.live(fresh=True).get(model_id)
         if live is None:
             return None
         with self._lock:
@@ -191,10 +193,10 @@ class ModelCatalog:
         now = time.monotonic()
         self._live, self._live_at = self._read_live(), now
 
-    def embedding_model(self, model_id: str) -> LiveModel | None:
+    def embedding_model(self, model_id: str, fresh: bool = False) -> LiveModel | None:
         """The live embedding model of this id, else None (a generation model, or none live).
-        Its workers say so, even for the router's own model."""
-        live = self.live().get(model_id)
+        Its workers say so, even for the router's own model. `fresh`: as the roster is now."""
+        live = self.live(fresh).get(model_id)
         return live if live is not None and live.embeds else None
 
     def served(self) -> list[str]:
@@ -207,8 +209,9 @@ class ModelCatalog:
 
     def listed(self) -> dict[str, LiveModel]:
         """The live models this router can serve, by id, as GET /v1/models lists them: every one
-        but those refused (their files checked here first, a few stats each)."""
-        live = self.live()
+        but those refused (their files checked here first, a few stats each). Read from the
+        roster as it is now: a worker that just registered is listed."""
+        live = self.live(fresh=True)
         self._screen(live)
         return {m: v for m, v in live.items() if m not in self._refused}
 
@@ -226,9 +229,11 @@ class ModelCatalog:
             refused = sorted(self._refused.items())
         return {m: str(r.error) for m, r in refused if m in live}
 
-    def live(self) -> dict[str, LiveModel]:
-        """Models with a live worker, by id (looked up at most once per LIVE_CACHE_S)."""
-        if time.monotonic() - self._live_at >= LIVE_CACHE_S:
+    def live(self, fresh: bool = False) -> dict[str, LiveModel]:
+        """Models with a live worker, by id (looked up at most once per LIVE_CACHE_S; `fresh`:
+        looked up now, for answers that a view a moment old would get wrong: a listing, and a
+        model the view lacks)."""
+        if fresh or time.monotonic() - self._live_at >= LIVE_CACHE_S:
             self._read_live_now()
         return self._live
 

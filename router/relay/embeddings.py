@@ -43,6 +43,8 @@ def submit_embeddings(body: EmbeddingBody, state: RouterState) -> EmbeddingReque
     a model the pool does not serve, 400 for a generation model or bad input."""
     catalog = state.catalog
     model = catalog.embedding_model(body.model)
+    if model is None and body.model != state.model_id:  # a worker of it may have just registered
+        model = catalog.embedding_model(body.model, fresh=True)
     if model is None:
         if body.model == state.model_id or body.model in catalog.live():
             raise APIError.of(
