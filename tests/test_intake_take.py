@@ -94,3 +94,20 @@ def test_an_idle_take_blocks_for_the_first_job_then_takes_the_rest_with_it(rig: 
     assert intake.take(4, 1.0) == []
     assert intake.give_back() == 0 and r.llen(own.key) == 0
     assert intake.take(4, 1.0) == []  # nothing queued: the block runs out
+
+
+def test_an_id_rq_refuses_or_a_key_that_holds_no_hash_fails_alone(rig: Any) -> None:
+    """No router writes such ids or keys; a worker that meets them goes on taking the rest,
+    whether the blocking pop or the look found them."""
+    r, intake, own, shared = rig
+    bad_id = "not an id!"  # rq refuses it: letters, digits, '-' and '_' only
+    r.hset(Job.key_for(bad_id), mapping={"status": JobStatus.QUEUED.value})
+    r.rpush(own.key, bad_id)
+    assert intake.take(4, 1.0) == []  # the blocking pop's: failed, nothing taken
+    assert r.hget(Job.key_for(bad_id), "status") == JobStatus.FAILED.value.encode()
+    not_a_hash = uuid.uuid4().hex
+    r.set(Job.key_for(not_a_hash), "no hash")
+    r.rpush(own.key, bad_id, not_a_hash)
+    good = enqueue(r, [1, 2, 3], queue=shared.name)
+    assert [t.id for t in intake.take(4, None)] == [good]  # the look's: the rest taken
+    assert intake.give_back() == 0 and r.llen(own.key) == 0 and r.llen(shared.key) == 0

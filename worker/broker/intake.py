@@ -63,9 +63,10 @@ return 1
 # routers' placements name for this worker (the hash ARGV[5]), when asked. rq's dequeue pops one
 # queue at a time and fetches each job it found by itself, a round trip for each, and an idle
 # worker's take paid them, and its look at the placements, before its first step. A popped id
-# whose hash is gone comes back with an empty one (rq skips it). A queue key that is no list
-# fails the look before any pop: a script's error keeps what it did before, and a job popped by
-# a failing call would be in no one's hands.
+# whose hash is gone comes back with an empty one (rq skips it), and so does one whose key holds
+# no hash. A queue key that is no list fails the look before any pop, and no call after the
+# first pop can fail it: a script's error keeps what it did before, and a job popped by a
+# failing call would be in no one's hands.
 # KEYS: the queues. ARGV: how many jobs at most (the popped one included), rq's job key prefix,
 # the popped job's id and its queue's index in KEYS ('' and 0: none), the placements' key (''
 # for none). Returns {{{queue's index in KEYS, job id, {field, value, ...}}, ...}, {placed ids}}.
@@ -76,9 +77,14 @@ for q = 1, #KEYS do
     return redis.error_reply('WRONGTYPE the queue ' .. KEYS[q] .. ' is a ' .. kind)
   end
 end
+local function read(key, command)
+  local reply = redis.pcall(command, key)
+  if reply.err then return {} end
+  return reply
+end
 local left, out = tonumber(ARGV[1]), {}
 if ARGV[3] ~= '' then
-  out[1] = {tonumber(ARGV[4]), ARGV[3], redis.call('HGETALL', ARGV[2] .. ARGV[3])}
+  out[1] = {tonumber(ARGV[4]), ARGV[3], read(ARGV[2] .. ARGV[3], 'HGETALL')}
   left = left - 1
 end
 for q = 1, #KEYS do
@@ -86,13 +92,13 @@ for q = 1, #KEYS do
   local ids = redis.call('LPOP', KEYS[q], left)
   if ids then
     for _, id in ipairs(ids) do
-      out[#out + 1] = {q, id, redis.call('HGETALL', ARGV[2] .. id)}
+      out[#out + 1] = {q, id, read(ARGV[2] .. id, 'HGETALL')}
     end
     left = left - #ids
   end
 end
 local placed = {}
-if ARGV[5] ~= '' then placed = redis.call('HKEYS', ARGV[5]) end
+if ARGV[5] ~= '' then placed = read(ARGV[5], 'HKEYS') end
 return {out, placed}
 """
 
@@ -211,6 +217,11 @@ def append_events(
         pipe.eval(
             _APPEND_SCRIPT, 2, stream, cancel, keys.REQUEST_TTL_S, STREAM_FIELD, first, *packed
         )
+
+
+def _new_job(job_id: str, connection: redis.Redis) -> PoolJob:
+    """The job of this id, its hash not read yet (ValueError: an id rq refuses)."""
+    return PoolJob(job_id, connection=connection, serializer=MsgpackSerializer)
 
 
 def _queue_keys(job: Job) -> tuple[str, str]:
@@ -361,7 +372,12 @@ class RqIntake:
             return None
         key, raw_id = got
         (queue,) = [q for q in self.queues if q.key == key.decode()]
-        job = PoolJob(raw_id.decode(), connection=self.connection, serializer=MsgpackSerializer)
+        try:
+            job = _new_job(raw_id.decode(), self.connection)
+        except Exception as exc:  # an id rq refuses (no router writes one)
+            log.warning("job %r: rq cannot load it: %s", raw_id, _describe(exc))
+            self._fail_unloadable(raw_id.decode(errors="replace"), queue, _describe(exc))
+            return None
         job.origin = queue.name
         self._in_hand[job.id] = job
         return job, queue
@@ -377,24 +393,26 @@ class RqIntake:
         (TAKE_QUEUED_LUA): what rq's dequeue gives a call at a time. As there, an id whose hash
         is gone is skipped, and a job rq cannot load is failed here and counts as nothing
         taken; only Redis errors raise."""
-        first, index = ("", 0) if popped is None else (popped[0].id, self.queues.index(popped[1]))
+        first, index = (
+            ("", 0) if popped is None else (popped[0].id, 1 + self.queues.index(popped[1]))
+        )
         prefill = keys.worker_prefill(self.presence.worker_id) if placements else ""
         rows, placed = self._take_queued(
             keys=self.queue_keys,
-            args=[max_jobs, Job.redis_job_namespace_prefix, first, index + 1, prefill],
+            args=[max_jobs, Job.redis_job_namespace_prefix, first, index, prefill],
         )
         got: list[tuple[Job, Queue]] = []
         unloadable: list[tuple[str, Queue, str]] = []
         for row, (q, raw_id, flat) in enumerate(rows):
-            queue, job_id = self.queues[int(q) - 1], raw_id.decode()
+            queue, job_id = self.queues[int(q) - 1], raw_id.decode(errors="replace")
+            job = None
             if popped is not None and row == 0:
-                job = popped[0]
-                del self._in_hand[job_id]  # back only once restored
-            else:
-                job = PoolJob(job_id, connection=self.connection, serializer=MsgpackSerializer)
+                job = self._in_hand.pop(popped[0].id)  # back in hand only once restored
             if not flat:
                 continue
             try:
+                if job is None:
+                    job = _new_job(job_id, self.connection)
                 job.restore(dict(zip(flat[::2], flat[1::2], strict=True)))
             except Exception as exc:
                 log.warning("job %s: rq cannot load it: %s: %s", job_id, type(exc).__name__, exc)
@@ -405,7 +423,7 @@ class RqIntake:
         # After every loaded job is in hand: a Redis error here leaves none of them unheld.
         for job_id, queue, error in unloadable:
             self._fail_unloadable(job_id, queue, error)
-        return got, [rid.decode() for rid in placed]
+        return got, [rid.decode(errors="replace") for rid in placed]
 
     def _dequeue(
         self, timeout: int | None, queues: list[Queue] | None = None
