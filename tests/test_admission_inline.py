@@ -166,9 +166,11 @@ def test_a_listing_and_a_model_the_view_lacks_see_the_roster_as_it_is_now(
     try:
         assert "just-registered" not in catalog.live()  # the view, a moment old
         assert catalog.embedding_model("just-registered") is None
-        found = catalog.embedding_model("just-registered", fresh=True)
-        assert found is not None and found.model_id == "just-registered"
-        assert "just-registered" in catalog.listed()
+        ctx = catalog.get("just-registered")  # not in the view: looked up as it is now
+        assert ctx is not None and ctx.model_id == "just-registered"
+        assert catalog.embedding_model("just-registered") is not None  # the view, read now
+        r.hset(keys.worker_info(wid), "model", "renamed")
+        assert "renamed" in catalog.listed()  # a listing reads the roster too
     finally:
         r.srem(keys.workers_roster(), wid)
         r.delete(keys.worker_info(wid))

@@ -120,6 +120,9 @@ class ModelCatalog:
         self._lock = threading.Lock()
         self._live: dict[str, LiveModel] = {}
         self._live_at = float("-inf")
+        # One roster read at a time; a view replaces the one shown only if its read began later.
+        self._read_lock = threading.Lock()
+        self._view_lock = threading.Lock()
         # The latest look at the roster, the watch's or a request's: which refusals still hold.
         self._seen: dict[str, LiveModel] = {}
         # Models refused, by id, and what was last logged of each (logged again when it changes).
@@ -172,16 +175,16 @@ class ModelCatalog:
         age = time.monotonic() - self._live_at
         if age < LIVE_CACHE_S / 2:
             return True
-        # Past half its life the view is read again in a thread now, not by the first request
-        # that finds it expired: under steady load every request finds it fresh. An expired
-        # one is read by this request's own admission (a light load's), not twice.
+        # The watch keeps it younger than that; one it left behind (Redis slow to answer) is
+        # read again in a thread now, past half its life, not by the first request that finds
+        # it expired. An expired one is read by this request's own admission, not twice.
         if self._refresh is None and age < LIVE_CACHE_S:
             self._refresh = asyncio.get_running_loop().create_task(self._refresh_live())
         return False
 
     async def _refresh_live(self) -> None:
         try:
-            await anyio.to_thread.run_sync(self._read_live_now)
+            await anyio.to_thread.run_sync(self._read_locked)
         except redis.RedisError as exc:  # requests report an unreachable Redis themselves
             log.debug("model catalog: roster unreadable (%s)", exc)
         except Exception:
@@ -189,9 +192,14 @@ class ModelCatalog:
         finally:
             self._refresh = None
 
-    def _read_live_now(self) -> None:
-        now = time.monotonic()
-        self._live, self._live_at = self._read_live(), now
+    def _read_live_now(self) -> dict[str, LiveModel]:
+        """The roster as it is now, shown from now on unless a read begun later is shown."""
+        began = time.monotonic()
+        live = self._read_live()
+        with self._view_lock:
+            if began > self._live_at:
+                self._live, self._live_at = live, began
+        return live
 
     def embedding_model(self, model_id: str, fresh: bool = False) -> LiveModel | None:
         """The live embedding model of this id, else None (a generation model, or none live).
@@ -201,17 +209,18 @@ class ModelCatalog:
 
     def served(self) -> list[str]:
         """The router's own model, then every other one with a live worker that this router can
-        serve (as far as it knows without loading it)."""
+        serve (as far as it knows without loading it), from the view: it words an unknown
+        model's error, whose lookup has just read the roster."""
         return [
             self.primary.model_id,
-            *sorted(m for m in self.listed() if m != self.primary.model_id),
+            *sorted(m for m in self.listed(fresh=False) if m != self.primary.model_id),
         ]
 
-    def listed(self) -> dict[str, LiveModel]:
+    def listed(self, fresh: bool = True) -> dict[str, LiveModel]:
         """The live models this router can serve, by id, as GET /v1/models lists them: every one
         but those refused (their files checked here first, a few stats each). Read from the
-        roster as it is now: a worker that just registered is listed."""
-        live = self.live(fresh=True)
+        roster as it is now (a worker that just registered is listed), unless not `fresh`."""
+        live = self.live(fresh)
         self._screen(live)
         return {m: v for m, v in live.items() if m not in self._refused}
 
@@ -233,9 +242,15 @@ class ModelCatalog:
         """Models with a live worker, by id (looked up at most once per LIVE_CACHE_S; `fresh`:
         looked up now, for answers that a view a moment old would get wrong: a listing, and a
         model the view lacks)."""
-        if fresh or time.monotonic() - self._live_at >= LIVE_CACHE_S:
-            self._read_live_now()
-        return self._live
+        asked = time.monotonic()
+        if not fresh and asked - self._live_at < LIVE_CACHE_S:
+            return self._live
+        with self._read_lock:  # a read begun while this call waited is read enough
+            if self._live_at >= asked or (
+                not fresh and time.monotonic() - self._live_at < LIVE_CACHE_S
+            ):
+                return self._live
+            return self._read_live_now()
 
     def _read_live(self) -> dict[str, LiveModel]:
         first: dict[str, dict[str, str]] = {}
@@ -285,9 +300,12 @@ class ModelCatalog:
                 log.exception("model catalog: the roster check failed; looking again later")
             await asyncio.sleep(WATCH_S)
 
+    def _read_locked(self) -> dict[str, LiveModel]:
+        with self._read_lock:
+            return self._read_live_now()
+
     def _read_and_screen(self) -> None:
-        self._read_live_now()
-        self._screen(self._live)
+        self._screen(self._read_locked())
 
     def _screen(self, live: dict[str, LiveModel]) -> None:
         """Refuse each live model not yet loaded whose files this host lacks; forget the

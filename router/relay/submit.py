@@ -36,11 +36,16 @@ async def admit_and_submit(
     process's batch (a burst's go out in one write). Every choice's request is in `gens` (one
     unless `n` or a prompt list asks for more); a refusal raises its API error."""
 
+    def embedding_refusal(model: str) -> Admission | None:
+        if state.catalog.embedding_model(model) is None:
+            return None
+        message = f"The model {quoted(model)} is an embedding model: use POST /v1/embeddings."
+        return Admission(Outcome.INVALID, param="model", message=message)
+
     def run() -> Admission:
         model = getattr(body, "model", None) or state.model_id
-        if state.catalog.embedding_model(model) is not None:
-            message = f"The model {quoted(model)} is an embedding model: use POST /v1/embeddings."
-            return Admission(Outcome.INVALID, param="model", message=message)
+        if (refused := embedding_refusal(model)) is not None:
+            return refused
         try:
             ctx = state.catalog.get(model)
         except (TokenizerLoadError, CanaryMismatch) as exc:  # its workers', not the caller's
@@ -48,6 +53,9 @@ async def admit_and_submit(
         if ctx is None:
             message = unknown_model_message(model, state.catalog.served())
             return Admission(Outcome.UNKNOWN_MODEL, param="model", message=message)
+        # A model the view lacked, found by get()'s fresh read: it may be an embedding one.
+        if ctx is not state.catalog.primary and (refused := embedding_refusal(model)) is not None:
+            return refused
         admission = admit(body, ctx)
         req = admission.request
         if admission.outcome is not Outcome.ADMIT or req is None:
