@@ -98,7 +98,7 @@ async def _level(
         runs = [
             r for rs in await asyncio.gather(*(one_stream(i) for i in range(streams))) for r in rs
         ]
-        wall = time.perf_counter() - start - think_s * (sequential - 1)
+        wall = time.perf_counter() - start - think_s * max(0, sequential - 1)
     itl = [
         (r.last - r.first) / (r.completion_tokens - 1)
         for r in runs
@@ -318,7 +318,7 @@ def main() -> int:
     machine = announce()
     print(
         f"# one stream: {args.sequential} requests of {args.max_tokens} tokens, "
-        f"{args.think_s:g} s apart; sixteen at once"
+        f"{args.think_s:g} s apart; the other levels all at once"
     )
     model_dir = bench_model_dir() if args.model == "bench" else tiny_model_dir()
     tok = load_hf_tokenizer(model_dir)
