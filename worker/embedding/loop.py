@@ -206,6 +206,13 @@ class EmbeddingLoop:
                 )
             except redis.RedisError:
                 log.warning("could not fail the jobs left started by the lost Redis")
+            try:  # a take the lost connection cut short: its jobs back to their queues
+                back = self.intake.give_back()
+            except redis.RedisError:
+                log.warning("could not return the jobs a lost take left unstarted")
+            else:
+                if back:
+                    log.warning("returned %d job(s) a lost take left unstarted", back)
             log.info("reconnected to Redis; serving again")
             return
 
