@@ -150,11 +150,12 @@ class Reaper:
         return found
 
     def _fail_in_transit(self, wid: str, since: str) -> int:
-        """Jobs the lost worker had taken from its own queue but not started yet (rq's
-        intermediate list holds them between a dequeue and the start pipeline, a burst's
-        gathering window): failed as lost, so each router runs its request again under a new
-        id, as for a started job, instead of waiting on a job nobody holds. A job started
-        meanwhile (a peer taking the queue over) is left to its starter."""
+        """Jobs taken from the lost worker's queue but not started yet, in rq's intermediate
+        list (rq's dequeue of one queue, a peer's take of it, moves a job there until its
+        start): failed as lost, so each router runs its request again under a new id, as for a
+        started job, instead of waiting on a job nobody holds. A job started meanwhile is left
+        to its starter. (A worker's own take pops its queues outright: a job it held unstarted
+        when it was lost is on no list, and its router's job check finds it.)"""
         queue = Queue(keys.worker_queue_name(wid), connection=self.r, serializer=MsgpackSerializer)
         error = (
             f"{WORKER_LOST_MARK} worker {wid} took this job and was lost before it ran ({since})"
