@@ -4,7 +4,6 @@ lone request starts at once and a burst already placed prefills as one batch."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import Any
@@ -13,10 +12,10 @@ import pytest
 import redis
 
 from shared import keys
-from tests.streams import TINY_MODEL, enqueue
+from tests.intake_rig import registered_intake
+from tests.streams import enqueue
 from worker.broker import intake as intake_module
-from worker.broker.intake import RqIntake, own_queues
-from worker.broker.presence import WorkerPresence
+from worker.broker.intake import RqIntake
 
 WID = "w-gather"
 # Long enough that a gather which waits is plain to see, short enough for a failing run.
@@ -27,10 +26,7 @@ GAP_S = 30.0
 def rig(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> tuple[redis.Redis, RqIntake]:
     monkeypatch.setattr(intake_module, "GATHER_GAP_S", GAP_S)
     r = redis.Redis.from_url(redis_url)
-    info = {"worker_id": WID, "model": TINY_MODEL, "pid": str(os.getpid()), "host": "h"}
-    presence = WorkerPresence(r, WID, own_queues(r, WID, TINY_MODEL), info)
-    presence.arrive({})
-    return r, RqIntake(presence)
+    return r, registered_intake(r, WID)
 
 
 def _own() -> str:

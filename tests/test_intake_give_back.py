@@ -5,7 +5,6 @@ and so a running job whose start the new primary lacks."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
@@ -15,9 +14,9 @@ from rq.job import Job, JobStatus
 
 from shared import keys
 from shared.wire import MsgpackSerializer
-from tests.streams import TINY_MODEL, enqueue
-from worker.broker.intake import RqIntake, own_queues
-from worker.broker.presence import WorkerPresence
+from tests.intake_rig import registered_intake
+from tests.streams import enqueue
+from worker.broker.intake import RqIntake
 
 WID = "w-give-back"
 
@@ -25,13 +24,7 @@ WID = "w-give-back"
 @pytest.fixture
 def rig(redis_url: str) -> tuple[redis.Redis, RqIntake]:
     r = redis.Redis.from_url(redis_url)
-    info = {"worker_id": WID, "model": TINY_MODEL, "pid": str(os.getpid()), "host": "h"}
-    presence = WorkerPresence(r, WID, own_queues(r, WID, TINY_MODEL), info)
-    presence.arrive({})
-    intake = RqIntake(presence)
-    for q in intake.queues:
-        r.delete(q.key, q.intermediate_queue_key)
-    return r, intake
+    return r, registered_intake(r, WID)
 
 
 def _own(intake: RqIntake) -> Queue:

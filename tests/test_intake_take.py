@@ -5,7 +5,6 @@ failing the take before anything leaves a queue."""
 
 from __future__ import annotations
 
-import os
 import uuid
 from typing import Any
 
@@ -17,9 +16,9 @@ from rq.registry import FailedJobRegistry
 
 from shared import keys
 from shared.wire import MsgpackSerializer
-from tests.streams import TINY_MODEL, enqueue
-from worker.broker.intake import RqIntake, own_queues
-from worker.broker.presence import WorkerPresence
+from tests.intake_rig import registered_intake
+from tests.streams import enqueue
+from worker.broker.intake import RqIntake
 
 WID = "w-take"
 
@@ -27,12 +26,7 @@ WID = "w-take"
 @pytest.fixture
 def rig(redis_url: str) -> tuple[redis.Redis, RqIntake, Queue, Queue]:
     r = redis.Redis.from_url(redis_url)
-    info = {"worker_id": WID, "model": TINY_MODEL, "pid": str(os.getpid()), "host": "h"}
-    presence = WorkerPresence(r, WID, own_queues(r, WID, TINY_MODEL), info)
-    presence.arrive({})
-    intake = RqIntake(presence)
-    for q in intake.queues:
-        r.delete(q.key, q.intermediate_queue_key)
+    intake = registered_intake(r, WID)
     (own,) = [q for q in intake.queues if q.name == keys.worker_queue_name(WID)]
     (shared,) = [q for q in intake.queues if q is not own]
     return r, intake, own, shared
