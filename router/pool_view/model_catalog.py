@@ -120,9 +120,9 @@ class ModelCatalog:
         self._lock = threading.Lock()
         self._live: dict[str, LiveModel] = {}
         self._live_at = float("-inf")
-        # One roster read at a time; a view replaces the one shown only if its read began later.
+        # One roster read at a time (the watch's, ready()'s refresh, the requests'), so the view
+        # shown is always the one whose read began last.
         self._read_lock = threading.Lock()
-        self._view_lock = threading.Lock()
         # The latest look at the roster, the watch's or a request's: which refusals still hold.
         self._seen: dict[str, LiveModel] = {}
         # Models refused, by id, and what was last logged of each (logged again when it changes).
@@ -193,13 +193,10 @@ class ModelCatalog:
             self._refresh = None
 
     def _read_live_now(self) -> dict[str, LiveModel]:
-        """The roster as it is now, shown from now on unless a read begun later is shown."""
+        """The roster as it is now, shown from now on (its caller holds _read_lock)."""
         began = time.monotonic()
-        live = self._read_live()
-        with self._view_lock:
-            if began > self._live_at:
-                self._live, self._live_at = live, began
-        return live
+        self._live, self._live_at = self._read_live(), began
+        return self._live
 
     def embedding_model(self, model_id: str, fresh: bool = False) -> LiveModel | None:
         """The live embedding model of this id, else None (a generation model, or none live).
