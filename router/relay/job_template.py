@@ -117,10 +117,11 @@ class JobTemplate:
             args = ["<clock>" if _is_clock(command, i) else a for i, a in enumerate(command)]
             for i, kind, _ in slots or ():
                 if kind == "data":
-                    try:
-                        args[i] = zlib.decompress(command[i])
-                    except (zlib.error, TypeError, IndexError):
+                    arg = command[i] if i < len(command) else None
+                    inflated = _inflated(arg) if isinstance(arg, bytes) else None
+                    if inflated is None:
                         return None
+                    args[i] = inflated
             out.append(tuple(args))
         return out
 

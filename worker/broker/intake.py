@@ -375,8 +375,8 @@ class RqIntake:
         try:
             job = _new_job(raw_id.decode(), self.connection)
         except Exception as exc:  # an id rq refuses (no router writes one)
-            log.warning("job %r: rq cannot load it: %s", raw_id, _describe(exc))
-            self._fail_unloadable(raw_id.decode(errors="replace"), queue, _describe(exc))
+            job_id = raw_id.decode(errors="replace")
+            self._fail_unloadable(job_id, queue, _cannot_load(job_id, exc))
             return None
         job.origin = queue.name
         self._in_hand[job.id] = job
@@ -415,8 +415,7 @@ class RqIntake:
                     job = _new_job(job_id, self.connection)
                 job.restore(dict(zip(flat[::2], flat[1::2], strict=True)))
             except Exception as exc:
-                log.warning("job %s: rq cannot load it: %s: %s", job_id, type(exc).__name__, exc)
-                unloadable.append((job_id, queue, _describe(exc)))
+                unloadable.append((job_id, queue, _cannot_load(job_id, exc)))
                 continue
             self._in_hand[job.id] = job
             got.append((job, queue))
@@ -447,9 +446,9 @@ class RqIntake:
             raise
         except Exception as exc:  # rq attaches the popped job's id and queue to the error
             job_id, queue = getattr(exc, "job_id", None), getattr(exc, "queue", None)
-            log.warning("job %s: rq cannot load it: %s: %s", job_id, type(exc).__name__, exc)
+            error = _cannot_load(str(job_id), exc)
             if isinstance(job_id, str) and isinstance(queue, Queue):
-                self._fail_unloadable(job_id, queue, _describe(exc))
+                self._fail_unloadable(job_id, queue, error)
             return None
 
     def _start(self, taken: list[tuple[Job, Queue]]) -> list[TakenJob]:
@@ -590,6 +589,12 @@ class RqIntake:
             CanceledJobRegistry(
                 job.origin, connection=self.connection, serializer=MsgpackSerializer
             ).add(job, ttl=RESULT_TTL_S, pipeline=pipe)
+
+
+def _cannot_load(job_id: str, exc: BaseException) -> str:
+    """A job rq cannot load, logged; its failure's reason."""
+    log.warning("job %s: rq cannot load it: %s: %s", job_id, type(exc).__name__, exc)
+    return _describe(exc)
 
 
 def _describe(exc: BaseException) -> str:
