@@ -9,9 +9,12 @@ Sides, all on the same model and the same prompts (distinct ~64-token prompts, t
           The pool's prompt cache is disabled (MLXCEL_PROMPT_CACHE_ENABLED=false): the prompts
           are distinct anyway, and a hit would skew the comparison.
   server  `mlx_lm.server` with its default batching settings, same requests as the pool.
-Sides run back to back at each concurrency level (order rotated per repeat); the concurrency-16
-level is repeated 3 times per side and the median reported. tok/s counts the tokens actually
-generated (usage.completion_tokens) over the wall time from the first send to the last token.
+Sides run back to back at each concurrency level (order rotated per repeat), each level
+repeated (REPEATS_AT: more where a round is short) and the median reported. tok/s counts the
+tokens actually generated (usage.completion_tokens) over the wall time from the first send to
+the last token. A repeat's sides share its prompts and run seconds apart, so each repeat also
+gives paired ratios (pool/server, pool/engine): their median and range are the comparison
+least moved by a machine whose speed drifts between rounds.
 ITL, each side's time a token after a sequence's first (streamed loads), is the per-token time
 side by side: the engine's from its own steps, the pool's and the server's from the chunks.
 
@@ -71,7 +74,9 @@ from shared.wire import GenerationRequest
 
 PROMPT_TOKENS = 64
 CHAT_PROMPT_TOKENS = 16  # --load chat: a short user message
-REPEATS_AT = {16: 3}
+# A round at one or four streams is one request (or four) of each side: a few seconds, so
+# enough of them that the medians and the paired ratios are not one round's luck.
+REPEATS_AT = {1: 9, 4: 5, 16: 3}
 GOAL_CONCURRENCY = 16
 GOAL_RATIO = 0.95
 SIDES = ("engine", "pool", "server")
@@ -384,7 +389,15 @@ def summarize(c: int, runs: dict[str, list[Measurement]]) -> dict[str, Any]:
     row["pool_over_engine"] = ratio(row["pool_tps"], row["engine_tps"])
     row["server_over_engine"] = ratio(row["server_tps"], row["engine_tps"])
     row["pool_over_server"] = ratio(row["pool_tps"], row["server_tps"])
+    for a, b in (("pool", "server"), ("pool", "engine")):
+        pairs = [ratio(x.tps, y.tps) for x, y in zip(runs[a], runs[b], strict=True)]
+        row[f"{a}_over_{b}_paired"] = pairs
     return row
+
+
+def paired(pairs: list[float]) -> str:
+    """A level's paired ratios: their median and range."""
+    return f"{median(pairs):.3f} ({min(pairs):.2f}-{max(pairs):.2f})"
 
 
 def _ms(value: float | None) -> str:
@@ -407,6 +420,8 @@ def print_report(
         "server tok/s",
         "server/engine",
         "pool/server",
+        "paired pool/server",
+        "paired pool/engine",
         "TTFT ms engine mean/p50",
         "pool mean/p50",
         "server mean/p50",
@@ -422,6 +437,8 @@ def print_report(
             r["server_tps"],
             r["server_over_engine"],
             r["pool_over_server"],
+            paired(r["pool_over_server_paired"]),
+            paired(r["pool_over_engine_paired"]),
             *(f"{r[f'{s}_ttft_mean_ms']:.0f}/{r[f'{s}_ttft_p50_ms']:.0f}" for s in SIDES),
             " · ".join(_ms(r[f"{s}_itl_ms"]) for s in SIDES),
         ]
@@ -431,8 +448,10 @@ def print_report(
     print(table(headers, body))
     print(
         f"(tok/s: median over repeats; max_tokens={max_tokens}, prompts ~{load.prompt_tokens} "
-        "tokens, distinct per request and per repeat; ITL: a sequence's time a token after its "
-        "first, mean over every sequence of every repeat, '-' for whole responses)"
+        "tokens, distinct per request and per repeat; paired: each repeat's own ratio (the same "
+        "prompts, the sides seconds apart), median (lowest-highest); ITL: a sequence's time a "
+        "token after its first, mean over every sequence of every repeat, '-' for whole "
+        "responses)"
     )
     cached = {s: sum(r[f"{s}_cached_tokens"] for r in rows) for s in ("pool", "server")}
     print(
@@ -484,7 +503,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--load", choices=("completions", "chat"), default="completions")
     p.add_argument("--no-stream", action="store_true", help="whole responses, not SSE streams")
     p.add_argument(
-        "--repeats", type=int, default=0, help="repeats at every level (default: 3 at 16, else 1)"
+        "--repeats",
+        type=int,
+        default=0,
+        help="repeats at every level (default: REPEATS_AT's, else 1)",
     )
     args = p.parse_args(argv)
     if args.quick:
