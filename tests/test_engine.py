@@ -752,11 +752,13 @@ def test_a_completion_keeps_its_leading_space_echoed_or_not(tiny: Model) -> None
 
 def test_an_idle_step_gives_mlx_buffer_cache_back(tiny: Model) -> None:
     """Once the engine has been idle IDLE_RELEASE_S, its next step empties MLX's cache of freed
-    buffers: an idle worker's memory does not keep its busiest batch's peak."""
+    buffers when they are worth giving back (a bar of 0 here: any spare is): an idle worker's
+    memory does not keep its busiest batch's peak."""
     import mlx.core as mx
 
     clock = FakeClock()
     engine = make_engine(tiny, clock=clock)
+    engine.release_share = 0.0
     run = Run()
     for i in range(4):
         run.add(engine.admit(spec(f"r{i}", list(range(10 + i, 60 + i)), max_tokens=8)))
@@ -771,3 +773,44 @@ def test_an_idle_step_gives_mlx_buffer_cache_back(tiny: Model) -> None:
     again.add(engine.admit(spec("later", list(range(10, 60)), max_tokens=8)))
     run_until_done(engine, 40, again)
     assert again.tokens("later") == run.tokens("r0")
+
+
+def test_an_idle_step_keeps_spare_memory_under_the_bar(tiny: Model) -> None:
+    """Spare memory under release_share of the memory in use (one sequence's few buffers, which
+    the next request would fault back in) stays cached through the idle release, and the
+    engine does not look again until it has worked."""
+    import mlx.core as mx
+
+    clock = FakeClock()
+    engine = make_engine(tiny, clock=clock)
+    engine.release_share = 1e9  # no spare is worth it
+    run = Run()
+    run.add(engine.admit(spec("r0", list(range(10, 60)), max_tokens=8)))
+    run_until_done(engine, 40, run)
+    engine.step()
+    cached = mx.get_cache_memory()
+    assert cached > 0
+    clock.advance(IDLE_RELEASE_S)
+    engine.step()
+    assert mx.get_cache_memory() == cached
+    engine.release_share = 0.0  # looked once already: nothing until the engine works again
+    clock.advance(IDLE_RELEASE_S)
+    engine.step()
+    assert mx.get_cache_memory() == cached
+
+
+def test_spare_memory_is_worth_releasing_above_its_share() -> None:
+    """The bar compares MLX's cache and glibc's free heap with MLX's memory in use."""
+    import mlx.core as mx
+
+    from worker.mlx_cpu.idle_memory import spare_bytes, worth_releasing
+
+    held = mx.ones((1 << 20,))  # 4 MiB in use
+    mx.eval(held)
+    freed = mx.ones((1 << 18,)) + 1  # a freed buffer lands in the cache
+    mx.eval(freed)
+    del freed
+    assert spare_bytes() >= mx.get_cache_memory() > 0
+    assert worth_releasing(0.0)
+    assert not worth_releasing(1e9)
+    del held

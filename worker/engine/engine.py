@@ -47,7 +47,7 @@ from worker.engine.scoring import Scorer
 from worker.engine.shared_prompt import PromptSharing, can_share, prompt_kv_copies
 from worker.engine.stopping import min_tokens_mask, stop_rule, stop_sequences
 from worker.engine.text_stream import TextStream
-from worker.mlx_cpu.idle_memory import release_idle_memory
+from worker.mlx_cpu.idle_memory import RELEASE_SHARE, release_idle_memory, worth_releasing
 from worker.mlx_cpu.last_logits import last_logits
 from worker.prompt_cache.checkpoints import split_at
 from worker.prompt_cache.keys import CacheNamespace
@@ -87,6 +87,7 @@ class Engine:
         prompt_cache: PromptCache | None,
         clock: Callable[[], float] = time.monotonic,
         grammar_executor: Executor | None = None,
+        release_share: float = RELEASE_SHARE,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -104,7 +105,9 @@ class Engine:
             GrammarTokenizer(tokenizer, self.vocab_size, self._eos), grammar_executor
         )
         self._last_reject_sent: dict[str, Any] | None = None
-        # MLX has buffers cached since this engine last worked (at _busy_at, engine clock).
+        # MLX has buffers cached since this engine last worked (at _busy_at, engine clock);
+        # once idle, they go back if they are more than release_share of the memory in use.
+        self.release_share = release_share
         self._buffers_held = False
         self._busy_at = 0.0
         # The one index of running requests, by BatchGenerator uid (a batch holds few, so a
@@ -432,7 +435,8 @@ class Engine:
             # the publisher thread needs for the last events, and a client sending request
             # after request would pay the allocations each time.
             if self._buffers_held and self.clock() - self._busy_at >= IDLE_RELEASE_S:
-                release_idle_memory()
+                if worth_releasing(self.release_share):
+                    release_idle_memory()
                 self._buffers_held = False
             return out
         self._working()
