@@ -60,12 +60,14 @@ _TRIM, _MALLINFO2 = _glibc()
 
 
 def heap_free_bytes() -> int:
-    """Free bytes in glibc's heap (0 where it cannot be read)."""
+    """Free bytes in glibc's main heap (0 where it cannot be read): mallinfo2 reads the main
+    arena alone, not the arenas of other threads, nor the blocks malloc maps on their own."""
     return int(_MALLINFO2().fordblks) if _MALLINFO2 is not None else 0
 
 
 def spare_bytes() -> int:
-    """What a release would give back, about: MLX's cached buffers and the heap's free bytes."""
+    """What a release would give back, about: MLX's cached buffers and the main heap's free
+    bytes."""
     return int(mx.get_cache_memory()) + heap_free_bytes()
 
 
