@@ -77,19 +77,20 @@ def test_a_tokenizer_pool_with_every_copy_out_is_not_idle() -> None:
     assert pool.idle()
 
 
+def _catalog(tiny_model_dir: Path, r: redis.Redis) -> ModelCatalog:
+    """The tiny model's catalog over the tests' Redis, not started."""
+    return ModelCatalog(
+        AdmissionContext(MODEL, load_tokenizer(tiny_model_dir), 16), 0, r, BlockHasher(16), 1
+    )
+
+
 def test_a_steady_load_keeps_the_roster_view_fresh_and_a_light_one_reads_it_once(
     tiny_model_dir: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """ModelCatalog.ready admits on the loop only with the roster's view fresh. A view past half
     its life is read again in the background (a request soon after finds it fresh); an expired
     one is left to the request's own admission in a thread, not read a second time."""
-    catalog = ModelCatalog(
-        AdmissionContext(MODEL, load_tokenizer(tiny_model_dir), 16),
-        0,
-        redis.Redis.from_url(redis_url),
-        BlockHasher(16),
-        1,
-    )
+    catalog = _catalog(tiny_model_dir, redis.Redis.from_url(redis_url))
     reads: list[float] = []
     read_live = catalog._read_live
     monkeypatch.setattr(catalog, "_read_live", lambda: reads.append(1) or read_live())
@@ -116,13 +117,7 @@ def test_a_started_catalog_keeps_the_view_fresh_through_a_quiet_spell(
     """With its background read running, a request after a quiet spell longer than the view's
     life (a single user's next request) finds the view fresh: admitted on the loop, with no
     roster read of its own before its placement."""
-    catalog = ModelCatalog(
-        AdmissionContext(MODEL, load_tokenizer(tiny_model_dir), 16),
-        0,
-        redis.Redis.from_url(redis_url),
-        BlockHasher(16),
-        1,
-    )
+    catalog = _catalog(tiny_model_dir, redis.Redis.from_url(redis_url))
 
     async def run() -> list[bool]:
         await catalog.start()
@@ -145,13 +140,7 @@ def test_a_listing_and_a_model_the_view_lacks_see_the_roster_as_it_is_now(
     lookup of a model the view lacks read the roster again, so a worker that just registered is
     listed and found, not refused as unknown."""
     r = redis.Redis.from_url(redis_url)
-    catalog = ModelCatalog(
-        AdmissionContext(MODEL, load_tokenizer(tiny_model_dir), 16),
-        0,
-        r,
-        BlockHasher(16),
-        1,
-    )
+    catalog = _catalog(tiny_model_dir, r)
     assert "just-registered" not in catalog.live()  # the view, read now
     wid = "w-just-registered"
     info = {

@@ -805,7 +805,7 @@ def test_spare_memory_is_worth_releasing_above_its_share() -> None:
 
     from worker.mlx_cpu.idle_memory import spare_bytes, worth_releasing
 
-    held = mx.ones((1 << 20,))  # 4 MiB in use
+    held = mx.ones((1 << 20,))  # 4 MiB in use while the bar is asked
     mx.eval(held)
     freed = mx.ones((1 << 18,)) + 1  # a freed buffer lands in the cache
     mx.eval(freed)
@@ -813,4 +813,3 @@ def test_spare_memory_is_worth_releasing_above_its_share() -> None:
     assert spare_bytes() >= mx.get_cache_memory() > 0
     assert worth_releasing(0.0)
     assert not worth_releasing(1e9)
-    del held

@@ -87,7 +87,6 @@ class Engine:
         prompt_cache: PromptCache | None,
         clock: Callable[[], float] = time.monotonic,
         grammar_executor: Executor | None = None,
-        release_share: float = RELEASE_SHARE,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -107,7 +106,7 @@ class Engine:
         self._last_reject_sent: dict[str, Any] | None = None
         # MLX has buffers cached since this engine last worked (at _busy_at, engine clock);
         # once idle, they go back if they are more than release_share of the memory in use.
-        self.release_share = release_share
+        self.release_share = RELEASE_SHARE
         self._buffers_held = False
         self._busy_at = 0.0
         # The one index of running requests, by BatchGenerator uid (a batch holds few, so a
