@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+import weakref
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any
 
 import msgpack
@@ -20,14 +22,17 @@ from prometheus_client import REGISTRY
 
 from router.edge.openai_types import ResponseFormat
 from router.relay import event_decode, stream_hub
+from router.relay.attempt import Attempt
 from router.relay.event_decode import decode_entry, decode_event, entry_ms
-from router.relay.openai_render import chunk_writer, text_chunk_writer
-from router.relay.stream_hub import Deadlines, Feed, StreamHub
+from router.relay.openai_render import _chunks, chunk_writer, text_chunk_writer
+from router.relay.progress import ChoiceProgress
+from router.relay.stream_hub import Deadlines, Feed, RawEntry, StreamHub
 from router.relay.streams import LastWrite, sse_response
 from router.relay.timings import Timings
+from router.relay.watch import Watch
 from shared import keys
 from shared.config import RedisConfig
-from shared.wire import STREAM_FIELD, StreamEvent, WireError
+from shared.wire import STREAM_FIELD, GenerationRequest, StreamEvent, WireError
 
 # --- the stream hub ---------------------------------------------------------------------------
 
@@ -139,6 +144,86 @@ def test_a_short_wait_added_after_a_long_one_still_ends_at_its_own_deadline() ->
             deadlines.close()
 
     assert asyncio.run(run()) == (False, 1)  # the long one still waits
+
+
+# --- what a waiting relay holds -----------------------------------------------------------------
+
+
+def _entry(seq: int, kind: str = "delta") -> RawEntry:
+    event = StreamEvent(kind=kind, seq=seq, text=f"t{seq}", token_ids=[seq + 5])  # type: ignore[arg-type]
+    return [b"%d-0" % (seq + 1), [STREAM_FIELD, event.to_wire()]]
+
+
+async def _none() -> None:
+    return None
+
+
+async def _started(task: asyncio.Future[Any]) -> None:
+    """Until `task` has run up to its wait (a few loop passes; it never ends here)."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not task.done()
+
+
+def test_a_watch_waiting_for_its_next_read_holds_nothing_of_the_last() -> None:
+    """Each waiting stream used to keep its last read's entries and events alive until the next
+    read: thousands of objects at 128 streams, which every pass of the young GC generation
+    scanned and moved up."""
+
+    async def run() -> tuple[list[bool], list[int]]:
+        deadlines = Deadlines()
+        feed = Feed(deadlines)
+        gen = GenerationRequest(request_id="held", model="m", prompt_tokens=[1], max_tokens=4)
+        watch = Watch(Attempt(gen), feed, None, False, 60.0, _none, _none)  # type: ignore[arg-type]
+        batches = watch.batches()
+        try:
+            feed.push([_entry(0), _entry(1)])
+            batch = await anext(batches)
+            refs = [weakref.ref(event) for event in batch]
+            del batch
+            following = asyncio.ensure_future(anext(batches))
+            await _started(following)
+            held = [ref() is not None for ref in refs]
+            feed.push([_entry(2, "done")])
+            return held, [event.seq for event in await following]
+        finally:
+            await batches.aclose()
+            deadlines.close()
+
+    assert asyncio.run(asyncio.wait_for(run(), 60)) == ([False, False], [2])
+
+
+def test_a_streamed_choice_waiting_for_its_next_read_holds_none_of_its_events() -> None:
+    gen = GenerationRequest(request_id="held", model="m", prompt_tokens=[1], max_tokens=4)
+    routed = SimpleNamespace(fmt=ResponseFormat(chat=False, model="m"), include_usage=False)
+    more = asyncio.Event()
+    refs: list[weakref.ref[StreamEvent]] = []
+
+    def delta(seq: int) -> list[StreamEvent]:
+        event = StreamEvent(kind="delta", seq=seq, text=f"t{seq}", token_ids=[seq + 5])
+        refs.append(weakref.ref(event))
+        return [event]
+
+    async def reads() -> AsyncIterator[list[StreamEvent]]:
+        yield delta(1)
+        await more.wait()
+        yield [StreamEvent(kind="done", seq=2, completion_tokens=2)]
+
+    async def run() -> tuple[list[bytes], list[bool]]:
+        progress = ChoiceProgress(gen)
+        chunks = _chunks(delta(0), reads(), routed, progress, None)  # type: ignore[arg-type]
+        got = [await anext(chunks), await anext(chunks)]  # the first read's write, the next's
+        following = asyncio.ensure_future(anext(chunks))
+        await _started(following)
+        held = [ref() is not None for ref in refs]
+        more.set()
+        got.append(await following)
+        await chunks.aclose()
+        return got, held
+
+    got, held = asyncio.run(asyncio.wait_for(run(), 60))
+    assert held == [False, False]
+    assert [b"t0" in got[0], b"t1" in got[1], got[2].endswith(b"data: [DONE]\n\n")] == [True] * 3
 
 
 # --- decoding ---------------------------------------------------------------------------------

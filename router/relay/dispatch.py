@@ -187,8 +187,10 @@ class Dispatcher:
         """The request's events one by one (batches() has them a stream read at a time)."""
         async with aclosing(self.batches(gen, disconnected, streamed)) as batches:
             async for batch in batches:
-                for event in batch:
-                    yield event
+                # By index: no event stays bound while the next read is awaited (Watch.batches).
+                for i in range(len(batch)):
+                    yield batch[i]
+                del batch
 
     async def batches(
         self,
@@ -215,6 +217,7 @@ class Dispatcher:
                             # or an `error` its last): relayed as they are, with no scan.
                             relayed_tokens = relayed_tokens or streamed
                             yield batch
+                            batch = []  # not held while the next read is awaited (Watch)
                             continue
                         last = False
                         for i, event in enumerate(batch):
@@ -234,6 +237,7 @@ class Dispatcher:
                                 break
                         if batch:
                             yield batch
+                            batch = []
                         if last:
                             return
                         if lost is not None:

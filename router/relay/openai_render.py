@@ -134,40 +134,49 @@ async def _chunks(
     chunk = chunk_writer(index, include_usage)
     text_chunk = text_chunk_writer(chunk, fmt)
     out: list[bytes] = []
+
+    def render(ev: StreamEvent) -> bool:
+        """`ev`'s chunks into `out`; True when it ends the response (its chunks then are all)."""
+        if ev.kind == "error":
+            out.append(sse(error_for(ev).body()))
+            if final:
+                out.append(sse("[DONE]"))
+            return True
+        tools = progress.tool_stream
+        sent = len(tools.calls) if tools is not None else 0
+        text, calls = progress.on_event(ev)
+        if text or calls:
+            lp = None if renderer is None else _unsent_logprobs(renderer, progress)
+            if lp is None and not calls:
+                out.append(text_chunk(text))
+            else:
+                body = fmt.chunk(text, logprobs=lp, tool_calls=calls, first_index=sent)
+                out.append(chunk(body))
+        if ev.kind != "done":
+            return False
+        last = _unsent_logprobs(renderer, progress)
+        out.append(chunk(fmt.chunk("", progress.finish_reason, logprobs=last)))
+        if final:
+            if include_usage:
+                out.append(sse(fmt.usage_chunk(progress.usage)))
+            out.append(sse("[DONE]"))
+        return True
+
     async with aclosing(batches):
         if fmt.chat:
             out.append(chunk(fmt.chunk("", first=True)))
         batch: list[StreamEvent] | None = first
+        del first  # the loop's own now: no read stays bound while the next is awaited
         while batch is not None:
-            for ev in batch:
-                if ev.kind == "error":
-                    out.append(sse(error_for(ev).body()))
-                    if final:
-                        out.append(sse("[DONE]"))
-                    yield _written(out, final)
-                    return
-                tools = progress.tool_stream
-                sent = len(tools.calls) if tools is not None else 0
-                text, calls = progress.on_event(ev)
-                if text or calls:
-                    lp = None if renderer is None else _unsent_logprobs(renderer, progress)
-                    if lp is None and not calls:
-                        out.append(text_chunk(text))
-                    else:
-                        body = fmt.chunk(text, logprobs=lp, tool_calls=calls, first_index=sent)
-                        out.append(chunk(body))
-                if ev.kind == "done":
-                    last = _unsent_logprobs(renderer, progress)
-                    out.append(chunk(fmt.chunk("", progress.finish_reason, logprobs=last)))
-                    if final:
-                        if include_usage:
-                            out.append(sse(fmt.usage_chunk(progress.usage)))
-                        out.append(sse("[DONE]"))
-                    yield _written(out, final)
-                    return
+            # A sync step per event (any() stops at the one that ends the response), so no
+            # event stays bound in this frame while the next read is awaited (Watch.batches).
+            if any(map(render, batch)):
+                yield _written(out, final)
+                return
             if out:
                 yield b"".join(out)
-                out = []
+                out.clear()
+            batch = None
             batch = await anext(batches, None)
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from router.relay.attempt import Attempt, JobState, fingerprint
 from router.relay.event_decode import decode_entry, entry_ms, error_event
-from router.relay.stream_hub import Feed
+from router.relay.stream_hub import Feed, RawEntry
 from shared.errors import ErrorKind
 from shared.wire import StreamEvent
 
@@ -73,21 +73,16 @@ class Watch:
                 entries = self.feed.take()
             now = time.monotonic()
             if entries:
-                batch: list[StreamEvent] = []
-                end = False
-                for entry_id, fields in entries:
-                    decoded = decode_entry(fields)
-                    decoded.written_ms = entry_ms(entry_id)
-                    event, end = self._relay(decoded)
-                    if event is not None:
-                        batch.append(event)
-                    if end:
-                        break
-                if batch:
+                batch, end = self._read(entries)
+                relayed = bool(batch)
+                if relayed:
                     yield batch
+                    # Nothing of this read stays bound while the next is awaited: a waiting
+                    # stream would keep it alive through the young GC generation's passes.
+                    batch = []
                 if end:
                     return
-                if batch:
+                if relayed:
                     self.last_event_at = now
                     # A client that left is let go within a step even while tokens flow; a
                     # streamed response learns it from its next send, so only a non-streamed
@@ -102,6 +97,19 @@ class Watch:
                 yield [end_event]
             if end:
                 return
+
+    def _read(self, entries: list[RawEntry]) -> tuple[list[StreamEvent], bool]:
+        """(the events of one read to relay, whether the watch ends with them)."""
+        batch: list[StreamEvent] = []
+        for entry_id, fields in entries:
+            decoded = decode_entry(fields)
+            decoded.written_ms = entry_ms(entry_id)
+            event, end = self._relay(decoded)
+            if event is not None:
+                batch.append(event)
+            if end:
+                return batch, True
+        return batch, False
 
     def _relay(self, event: StreamEvent) -> tuple[StreamEvent | None, bool]:
         """(the event to relay, whether the watch ends): a duplicate is dropped, a gap ends the
