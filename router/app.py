@@ -53,7 +53,7 @@ from router.state import RouterState
 from shared.block_hash import BlockHasher, canary
 from shared.canary_check import check_against_workers
 from shared.config import Settings, load_settings
-from shared.gc_freeze import freeze_startup_heap
+from shared.gc_freeze import freeze_startup_heap, space_young_passes
 from shared.model_facts import configured_model_dir, model_id_for
 from shared.redis_auth import masked_url
 from shared.redis_clients import async_client, sync_client
@@ -177,6 +177,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     app.state.router = state
     await state.catalog.start()
     freeze_startup_heap(log)
+    space_young_passes()
     log.info(
         "router ready: model %r from %s, routing %s, redis %s",
         state.model_id,
