@@ -6,9 +6,10 @@ of them: a stall of every stream the process serves (the router's relays, the wo
 step) whenever one happens to run. Moving them to the permanent generation once startup is done
 (gc.freeze) leaves full collections only the objects made while serving.
 
-A router also passes over its young generation less often than CPython's default: its relay
-makes a read's worth of objects that die within that read, and a pass every 700 allocations
-catches many of them still alive (scanned, moved up, freed a moment later).
+A router also passes over its young generation less often than CPython's default: a relay read
+makes more objects than 700 alive at once (the reply's lists, the events, the chunks), all dead
+by the read's end, so a pass every 700 allocations ran in the middle of reads and scanned them
+alive, moved them up, and freed them a moment later as old ones.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from __future__ import annotations
 import gc
 import logging
 
-# The router's young-generation threshold (CPython's default: 700): allocations between passes.
-# A pass scans what is young and alive, so a longer interval costs little more per pass while
-# the relay's short-lived objects have died by then (bench/README.md, "The young generation").
+# The router's young-generation threshold (CPython's default: 700): allocations less frees
+# between passes. Above what one read holds alive at once, a pass comes as long-lived objects
+# pile up, not inside every read (bench/README.md, "What a waiting stream holds, and the young
+# generation").
 ROUTER_YOUNG_THRESHOLD = 5000
 
 
