@@ -4,6 +4,7 @@ failing batched step, fail_all, adopt/donate and the fast start."""
 
 from __future__ import annotations
 
+import gc
 from collections import Counter
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -788,15 +789,19 @@ def test_an_idle_step_keeps_spare_memory_under_the_bar(tiny: Model) -> None:
     run.add(engine.admit(spec("r0", list(range(10, 60)), max_tokens=8)))
     run_until_done(engine, 40, run)
     engine.step()
+    # Buffers still on their way to the cache (a cycle's arrays the GC has yet to free, work
+    # the stream thread has yet to finish) land before the count, not between the looks.
+    gc.collect()
+    mx.synchronize()
     cached = mx.get_cache_memory()
     assert cached > 0
     clock.advance(IDLE_RELEASE_S)
     engine.step()
-    assert mx.get_cache_memory() == cached
+    assert mx.get_cache_memory() >= cached  # a release would have emptied it
     engine.release_share = 0.0  # looked once already: nothing until the engine works again
     clock.advance(IDLE_RELEASE_S)
     engine.step()
-    assert mx.get_cache_memory() == cached
+    assert mx.get_cache_memory() >= cached
 
 
 def test_spare_memory_is_worth_releasing_above_its_share() -> None:
