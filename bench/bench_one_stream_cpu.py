@@ -13,10 +13,13 @@ costs anywhere else is time a step waits for a core: the table shows both sides'
 outside the model's threads, and their tok/s and inter-token latency side by side.
 
 `--no-stream` asks both sides for whole responses (no inter-token latency then): what the pool
-spends on a token its client reads only at the end.
+spends on a token its client reads only at the end. `--streams N` runs N clients side by side,
+each one request after another (the measured requests, at least N, shared among them): the
+same split when the model steps N sequences at once.
 
     flock /tmp/mlxcel-bench.lock .venv/bin/python bench/bench_one_stream_cpu.py [--quick]
-        [--requests 12] [--max-tokens 64] [--repeats 2] [--no-stream] [--json out.json]
+        [--requests 12] [--max-tokens 64] [--repeats 2] [--no-stream] [--streams 1]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -130,6 +133,7 @@ async def _measure(
     find: Callable[[], tuple[psutil.Process, dict[str, list[psutil.Process]]]],
     side: str,
     stream: bool,
+    streams: int = 1,
 ) -> Split:
     async with new_client(url) as client:
         for prompt in prompts[:WARMUP_REQUESTS]:
@@ -141,10 +145,14 @@ async def _measure(
         groups = {**others, "client": [me]}
         before = {k: sum(_cpu(p) for p in ps) for k, ps in groups.items()}
         threads_before = _threads(holder)
+        left = [_body(model, p, max_tokens, stream) for p in prompts[WARMUP_REQUESTS:]]
         results = []
-        for prompt in prompts[WARMUP_REQUESTS:]:
-            body = _body(model, prompt, max_tokens, stream)
-            results.append(await stream_request(client, "/v1/completions", body))
+
+        async def one_client() -> None:
+            while left:  # each client one request after another, the next body left
+                results.append(await stream_request(client, "/v1/completions", left.pop(0)))
+
+        await asyncio.gather(*[one_client() for _ in range(streams)])
         threads_after = _threads(holder)
         after = {k: sum(_cpu(p) for p in ps) for k, ps in groups.items()}
     spent = sorted(
@@ -156,7 +164,7 @@ async def _measure(
     for k in groups:
         split.cpu_s[k] = after[k] - before[k]
     split.tokens = sum(r.completion_tokens for r in results)
-    wall = results[-1].end - results[0].start
+    wall = max(r.end for r in results) - min(r.start for r in results)
     split.tok_s = split.tokens / wall
     itls = [1000 / tps for r in results if (tps := r.decode_tps())]
     split.itl_ms = median(itls) if itls else 0.0  # whole responses: none
@@ -181,9 +189,11 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="rounds, sides alternating")
     p.add_argument("--no-stream", action="store_true", help="whole responses, not SSE streams")
+    p.add_argument("--streams", type=int, default=1, help="clients side by side")
     output_args(p, "write the splits here", work_dir=False)
     args = p.parse_args()
     requests, repeats = (6, 1) if args.quick else (args.requests, args.repeats)
+    requests = max(requests, args.streams)
     machine = announce()
     model_dir = bench_model_dir()
     count = WARMUP_REQUESTS + requests
@@ -194,7 +204,16 @@ def main() -> int:
             finder = _pool_parts if side == "pool" else _server_parts
             with _side(side, model_dir) as (url, model):
                 split = asyncio.run(
-                    _measure(url, model, prompts, args.max_tokens, finder, side, not args.no_stream)
+                    _measure(
+                        url,
+                        model,
+                        prompts,
+                        args.max_tokens,
+                        finder,
+                        side,
+                        not args.no_stream,
+                        args.streams,
+                    )
                 )
             splits.append(split)
             print(f"  round {round_ + 1} {side}: {split.tok_s:.1f} tok/s", file=sys.stderr)
