@@ -55,6 +55,9 @@ REQUEST_TTL_S = 600
 LIVENESS_TTL_S = 15
 HEARTBEAT_INTERVAL_S = 1.0
 CONTROL_TTL_S = 60
+# A worker's last take is kept this long: past any sending again of it (the Redis client tries a
+# dropped connection's command a few times within a second or two).
+TAKE_TTL_S = 60
 # A dead worker's reaped claim outlives any restart delay; the worker clears it when it starts.
 REAPED_TTL_S = 3600
 # A job no router would have written (rq cannot load it, or its payload does not decode) is kept
@@ -195,6 +198,13 @@ def worker_load(worker_id: str) -> str:
     return f"{PREFIX}:worker:{worker_id}:load"
 
 
+def worker_take(worker_id: str) -> str:
+    """The worker's last take that popped jobs off its queues (worker/broker/intake.py): the
+    take's id and what it popped, so the same take sent again (its reply lost with a
+    connection) answers with those jobs instead of popping others."""
+    return f"{PREFIX}:worker:{worker_id}:take"
+
+
 def worker_prefill(worker_id: str) -> str:
     """Placed requests the worker has not started: request id -> prompt tokens it must compute."""
     return f"{PREFIX}:worker:{worker_id}:prefill"
@@ -326,6 +336,7 @@ def parse_key(key: str) -> ParsedKey:
                 "routed",
                 "load",
                 "prefill",
+                "take",
             },
             "control": {"reply"},
             "router": {"wake"},

@@ -109,6 +109,7 @@ def test_mlxcel_keys_parse_back(name: str) -> None:
             "routed": keys.worker_routed,
             "load": keys.worker_load,
             "prefill": keys.worker_prefill,
+            "take": keys.worker_take,
         },
     }
     if parsed.kind == "workers":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import uuid
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 import redis
@@ -15,7 +16,10 @@ from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry
 
 from shared import keys
+from shared.config import RedisConfig
+from shared.redis_clients import sync_client
 from shared.wire import MsgpackSerializer
+from tests.drivers.blackhole_proxy import BlackholeProxy
 from tests.intake_rig import registered_intake
 from tests.streams import enqueue
 from worker.broker.intake import RqIntake
@@ -105,3 +109,31 @@ def test_an_id_rq_refuses_or_a_key_that_holds_no_hash_fails_alone(rig: Any) -> N
     good = enqueue(r, [1, 2, 3], queue=shared.name)
     assert [t.id for t in intake.take(4, None)] == [good]  # the look's: the rest taken
     assert intake.give_back() == 0 and r.llen(own.key) == 0 and r.llen(shared.key) == 0
+
+
+def test_a_take_whose_reply_was_lost_takes_the_same_jobs_when_sent_again(redis_url: str) -> None:
+    """The worker's client sends a command again on a fresh connection when its connection
+    drops (shared.redis_clients). A take that Redis applied and whose reply was lost is sent
+    again: it answers with the jobs it popped the first time, not with what is queued since,
+    so no job is left off its queue in no worker's hands. It answers so once: the next take
+    takes what is queued then."""
+    r = redis.Redis.from_url(redis_url)
+    upstream = urlsplit(redis_url)
+    assert upstream.hostname is not None and upstream.port is not None
+    with BlackholeProxy(upstream.hostname, upstream.port) as proxy:
+        userinfo = upstream.netloc.rpartition("@")[0]
+        netloc = (
+            f"{userinfo}@{proxy.host}:{proxy.port}" if userinfo else f"{proxy.host}:{proxy.port}"
+        )
+        intake = registered_intake(
+            sync_client(RedisConfig(url=urlunsplit(upstream._replace(netloc=netloc)))), WID
+        )
+        (own,) = [q for q in intake.queues if q.name == keys.worker_queue_name(WID)]
+        first = [enqueue(r, [1, 2, 3], queue=own.name), enqueue(r, [4, 5, 6], queue=own.name)]
+        later = enqueue(r, [7, 8, 9], queue=own.name)
+        proxy.drop_reply(intake._take_queued.sha.encode())
+        assert [t.id for t in intake.take(2, None)] == first
+        assert proxy._drop_marker is None  # the reply was lost, and the take sent again
+        assert [t.id for t in intake.take(2, None)] == [later]
+        assert intake.take(2, None) == []
+        assert all(_status(r, rid) == JobStatus.STARTED for rid in [*first, later])

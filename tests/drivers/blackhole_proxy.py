@@ -5,6 +5,10 @@ retransmissions would deliver it once the link is back.
 
 A connection opened during a cut is accepted and held: its first bytes wait like any other.
 
+`drop_reply(marker)` loses one reply: the next command whose bytes hold `marker` reaches the
+server, and its reply is dropped with the connection (closed both ways): a command the server
+applied whose client never heard so, as when a link fails between the two.
+
 usage (in a test): `with BlackholeProxy("127.0.0.1", 6379) as proxy: ... proxy.cut() ...`
 """
 
@@ -29,6 +33,7 @@ class BlackholeProxy:
         self._lock = threading.Lock()
         self._sockets: list[socket.socket] = []
         self._threads: list[threading.Thread] = []
+        self._drop_marker: bytes | None = None  # the command whose reply drop_reply loses
 
     @property
     def is_cut(self) -> bool:
@@ -45,6 +50,10 @@ class BlackholeProxy:
     def restore(self) -> None:
         """Forward again, starting with what was held."""
         self._open.set()
+
+    def drop_reply(self, marker: bytes) -> None:
+        """Lose the reply to the next command holding `marker` (see the module's doc)."""
+        self._drop_marker = marker
 
     def stop(self) -> None:
         self._closed.set()
@@ -89,14 +98,19 @@ class BlackholeProxy:
             client.close()
             return
         self._track(server)
-        self._spawn(self._pump, "proxy-up", client, server)
-        self._spawn(self._pump, "proxy-down", server, client)
+        # Set (by the pump up, before it forwards the marked command): the pump down drops the
+        # next reply and the connection.
+        dropping = threading.Event()
+        self._spawn(self._pump, "proxy-up", client, server, dropping, True)
+        self._spawn(self._pump, "proxy-down", server, client, dropping, False)
 
     def _track(self, sock: socket.socket) -> None:
         with self._lock:
             self._sockets.append(sock)
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pump(
+        self, src: socket.socket, dst: socket.socket, dropping: threading.Event, up: bool
+    ) -> None:
         """Copy src to dst. Cut: read nothing more, and hold what was read, until restored."""
         try:
             while True:
@@ -107,6 +121,12 @@ class BlackholeProxy:
                 self._open.wait()
                 if self._closed.is_set():
                     break
+                marker = self._drop_marker
+                if up and marker is not None and marker in data:
+                    self._drop_marker = None
+                    dropping.set()
+                if not up and dropping.is_set():
+                    break  # the reply is lost with the connection (closed below)
                 dst.sendall(data)
         except OSError:
             pass

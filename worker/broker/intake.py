@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,9 +68,15 @@ return 1
 # no hash. A queue key that is no list fails the look before any pop, and no call after the
 # first pop can fail it: a script's error keeps what it did before, and a job popped by a
 # failing call would be in no one's hands.
+# A take that pops records its id (ARGV[7], new for each take) and what it popped in the
+# worker's take key (ARGV[6]): the worker's client sends a command again when its connection
+# drops, and the same take sent again after Redis ran it (its reply lost on the way) finds its
+# record and answers with those jobs, read again, instead of popping others and leaving the
+# first ones off their queues in no one's hands.
 # KEYS: the queues. ARGV: how many jobs at most (the popped one included), rq's job key prefix,
 # the popped job's id and its queue's index in KEYS ('' and 0: none), the placements' key (''
-# for none). Returns {{{queue's index in KEYS, job id, {field, value, ...}}, ...}, {placed ids}}.
+# for none), the take key, this take's id, the take key's TTL. Returns {{{queue's index in
+# KEYS, job id, {field, value, ...}}, ...}, {placed ids}}.
 TAKE_QUEUED_LUA = """
 for q = 1, #KEYS do
   local kind = redis.call('TYPE', KEYS[q]).ok
@@ -87,15 +94,28 @@ if ARGV[3] ~= '' then
   out[1] = {tonumber(ARGV[4]), ARGV[3], read(ARGV[2] .. ARGV[3], 'HGETALL')}
   left = left - 1
 end
+local record = redis.call('GET', ARGV[6])
+local head = ARGV[7] .. '\\n'
+if record and string.sub(record, 1, #head) == head then
+  for _, row in ipairs(cjson.decode(string.sub(record, #head + 1))) do
+    out[#out + 1] = {row[1], row[2], read(ARGV[2] .. row[2], 'HGETALL')}
+  end
+  left = 0
+end
+local popped = {}
 for q = 1, #KEYS do
   if left <= 0 then break end
   local ids = redis.call('LPOP', KEYS[q], left)
   if ids then
     for _, id in ipairs(ids) do
       out[#out + 1] = {q, id, read(ARGV[2] .. id, 'HGETALL')}
+      popped[#popped + 1] = {q, id}
     end
     left = left - #ids
   end
+end
+if #popped > 0 then  -- pcall: a record Redis refuses (out of memory) leaves the take whole
+  redis.pcall('SET', ARGV[6], head .. cjson.encode(popped), 'EX', ARGV[8])
 end
 local placed = {}
 if ARGV[5] ~= '' then placed = read(ARGV[5], 'HKEYS') end
@@ -366,7 +386,9 @@ class RqIntake:
     def _blocking_pop(self, timeout: int) -> tuple[PoolJob, Queue] | None:
         """rq's blocking dequeue of several queues (Queue.dequeue_any's BLPOP), the job not
         fetched yet (the look after it fetches it): in hand from here, so a take cut short
-        gives it back."""
+        gives it back. A pop whose reply a dropped connection lost is sent again and pops the
+        next job, if one comes: the lost one is left queued on no queue, which its router's
+        job checks find (Dispatcher._off_queue) and enqueue again."""
         got = self.connection.blpop(self.queue_keys, timeout)
         if got is None:
             return None
@@ -397,9 +419,20 @@ class RqIntake:
             ("", 0) if popped is None else (popped[0].id, 1 + self.queues.index(popped[1]))
         )
         prefill = keys.worker_prefill(self.presence.worker_id) if placements else ""
+        # A new id a take: the client's sending again of this call repeats it (see the script).
+        take = uuid.uuid4().hex
         rows, placed = self._take_queued(
             keys=self.queue_keys,
-            args=[max_jobs, Job.redis_job_namespace_prefix, first, index, prefill],
+            args=[
+                max_jobs,
+                Job.redis_job_namespace_prefix,
+                first,
+                index,
+                prefill,
+                keys.worker_take(self.presence.worker_id),
+                take,
+                keys.TAKE_TTL_S,
+            ],
         )
         got: list[tuple[Job, Queue]] = []
         unloadable: list[tuple[str, Queue, str]] = []
