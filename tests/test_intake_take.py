@@ -22,7 +22,7 @@ from shared.wire import MsgpackSerializer
 from tests.drivers.blackhole_proxy import BlackholeProxy
 from tests.intake_rig import registered_intake
 from tests.streams import enqueue
-from worker.broker.intake import RqIntake
+from worker.broker.intake import TAKE_QUEUED_LUA, RqIntake
 
 WID = "w-take"
 
@@ -131,6 +131,7 @@ def test_a_take_whose_reply_was_lost_takes_the_same_jobs_when_sent_again(redis_u
         (own,) = [q for q in intake.queues if q.name == keys.worker_queue_name(WID)]
         first = [enqueue(r, [1, 2, 3], queue=own.name), enqueue(r, [4, 5, 6], queue=own.name)]
         later = enqueue(r, [7, 8, 9], queue=own.name)
+        r.script_load(TAKE_QUEUED_LUA)  # the reply lost is the take's, not a NOSCRIPT
         proxy.drop_reply(intake._take_queued.sha.encode())
         assert [t.id for t in intake.take(2, None)] == first
         assert proxy._drop_marker is None  # the reply was lost, and the take sent again

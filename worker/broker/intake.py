@@ -419,7 +419,7 @@ class RqIntake:
             ("", 0) if popped is None else (popped[0].id, 1 + self.queues.index(popped[1]))
         )
         prefill = keys.worker_prefill(self.presence.worker_id) if placements else ""
-        # A new id a take: the client's sending again of this call repeats it (see the script).
+        # A new id for each take; the client's sending this call again repeats it (the script).
         take = uuid.uuid4().hex
         rows, placed = self._take_queued(
             keys=self.queue_keys,
