@@ -34,6 +34,7 @@ class BlackholeProxy:
         self._sockets: list[socket.socket] = []
         self._threads: list[threading.Thread] = []
         self._drop_marker: bytes | None = None  # the command whose reply drop_reply loses
+        self.replies_dropped = 0  # how many replies drop_reply has lost so far
 
     @property
     def is_cut(self) -> bool:
@@ -126,6 +127,7 @@ class BlackholeProxy:
                     self._drop_marker = None
                     dropping.set()
                 if not up and dropping.is_set():
+                    self.replies_dropped += 1
                     break  # the reply is lost with the connection (closed below)
                 dst.sendall(data)
         except OSError:
