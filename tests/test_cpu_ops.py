@@ -34,6 +34,13 @@ def _qkv(b: int, q_heads: int, kv_heads: int, n_q: int, n_k: int) -> tuple[mx.ar
     )
 
 
+@pytest.fixture(autouse=True)
+def ours_at_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test compares our own math with mlx's at small shapes, which the real threshold
+    (`MLX_BELOW`) hands to mlx-lm's functions: a test of the threshold sets it back."""
+    monkeypatch.setattr(cpu_ops, "MLX_BELOW", 0)
+
+
 @pytest.fixture(params=["device", "host"])
 def softmax_side(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The attention tests run twice: the softmax on mlx (`mx.power`), and in numpy from any size
@@ -120,6 +127,38 @@ def test_attention_hands_what_it_does_not_handle_to_mlx() -> None:
     assert mx.array_equal(ours, theirs)
 
 
+def test_small_work_goes_to_mlx_s_own_functions_and_large_work_to_ours(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A decode step of one sequence over a short context has too few exps for our ops to pay;
+    a prefill's scores and a wide batch's SwiGLU do."""
+    monkeypatch.setattr(cpu_ops, "MLX_BELOW", 1 << 13)
+    theirs: list[str] = []
+    real_sdpa, real_swiglu = cpu_ops._mlx_sdpa, cpu_ops._mlx_swiglu
+
+    def sdpa_spy(*args: Any) -> mx.array:
+        theirs.append("sdpa")
+        return real_sdpa(*args)
+
+    def swiglu_spy(gate: mx.array, x: mx.array) -> mx.array:
+        theirs.append("swiglu")
+        return real_swiglu(gate, x)
+
+    monkeypatch.setattr(cpu_ops, "_mlx_sdpa", sdpa_spy)
+    monkeypatch.setattr(cpu_ops, "_mlx_swiglu", swiglu_spy)
+    decode = _qkv(1, 12, 4, 1, 100)  # 1,200 scores
+    prefill = _qkv(1, 12, 4, 64, 64)  # 49,152 scores
+    cpu_ops.scaled_dot_product_attention(*decode[:1], *decode[1:], None, 0.25, None)
+    assert theirs == ["sdpa"]
+    cpu_ops.scaled_dot_product_attention(*prefill[:1], *prefill[1:], None, 0.25, "causal")
+    assert theirs == ["sdpa"]
+    one, wide = mx.random.normal((1, 1, 1344)), mx.random.normal((16, 1, 1344))
+    cpu_ops.swiglu(one, one)
+    assert theirs == ["sdpa", "swiglu"]
+    cpu_ops.swiglu(wide, wide)
+    assert theirs == ["sdpa", "swiglu"]
+
+
 def test_swiglu_matches_mlx_over_a_wide_range() -> None:
     gate = mx.concatenate([mx.linspace(-120, 120, 2001), mx.random.normal((4000,)) * 4])
     x = mx.random.normal(gate.shape)
@@ -158,7 +197,11 @@ def _greedy(model: Any, prompts: list[list[int]], max_tokens: int) -> list[list[
 
 
 @pytest.mark.usefixtures("softmax_side")
-def test_install_swaps_in_for_a_float32_cpu_model_and_greedy_tokens_stay(tiny: Any) -> None:
+@pytest.mark.parametrize("mlx_below", [0, cpu_ops.MLX_BELOW], ids=["ours-always", "threshold"])
+def test_install_swaps_in_for_a_float32_cpu_model_and_greedy_tokens_stay(
+    tiny: Any, mlx_below: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cpu_ops, "MLX_BELOW", mlx_below)
     vocab = tiny.args.vocab_size
     prompts = [
         [(i * 37 + j * 11) % (vocab - 2) + 1 for j in range(n)]

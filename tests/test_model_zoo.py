@@ -80,7 +80,9 @@ def load_model(model_dir: Path, name: str, fixes: bool = True) -> Zoo:
 
 
 def cpu_ops_installed(mp: pytest.MonkeyPatch, model: object) -> list[str]:
-    """`cpu_ops.install(model)`, its module-level swaps put back when `mp` undoes."""
+    """`cpu_ops.install(model)`, its module-level swaps put back when `mp` undoes. Our ops run
+    at every size: the threshold (`MLX_BELOW`) would hand a small test model's work to mlx-lm's."""
+    mp.setattr(cpu_ops, "MLX_BELOW", 0)
     module = sys.modules[type(model).__module__]
     for name in cpu_ops._REPLACEMENTS:
         if hasattr(module, name):

@@ -10,7 +10,8 @@ matrices go further: numpy computes their exp (`_exp_on_host`).
 
 `install(model)` swaps them into the model's module (mlx-lm models call these module-level
 names) when the model runs in float32 on the CPU; anything they do not handle (attention sinks,
-quantized KV, additive float masks, other dtypes) goes to mlx-lm's own functions.
+quantized KV, additive float masks, other dtypes) goes to mlx-lm's own functions, and so does
+work too small for them to pay (`MLX_BELOW`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ _LOWEST = float(mx.finfo(mx.float32).min)
 # (one query a sequence) never do, so their graph stays lazy for mlx-lm's async eval.
 HOST_SOFTMAX_MIN_QUERIES = 2
 HOST_SOFTMAX_MIN_SCORES = 1 << 17
+# Under this many scores (attention) or elements (SwiGLU), mlx-lm's own function is the faster:
+# there are too few exps for `mx.power` to save what our extra ops cost a call (a decode step of
+# a few sequences over a short context; bench/README.md has the crossover).
+MLX_BELOW = 1 << 13
 _mlx_sdpa = base.scaled_dot_product_attention
 _mlx_swiglu = activations.swiglu
 
@@ -55,8 +60,10 @@ def scaled_dot_product_attention(
         return _mlx_sdpa(queries, keys, values, cache, scale, mask, sinks)
     b, n_q_heads, n_q, dim = queries.shape
     n_kv_heads, n_k = keys.shape[1], keys.shape[2]
-    group = n_q_heads // n_kv_heads
     n_scores = b * n_q_heads * n_q * n_k
+    if n_scores < MLX_BELOW:
+        return _mlx_sdpa(queries, keys, values, cache, scale, mask, sinks)
+    group = n_q_heads // n_kv_heads
     on_host = n_q >= HOST_SOFTMAX_MIN_QUERIES and n_scores >= HOST_SOFTMAX_MIN_SCORES
     # Grouped-query heads share their KV head: one matmul per KV head, no repeated keys.
     scores = (queries * (scale if on_host else scale * LOG2E)).reshape(
@@ -126,7 +133,7 @@ def _bool_mask(mask: Any) -> bool:
 
 def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     """silu(gate) * x = gate * x / (1 + 2**(-gate * log2 e))."""
-    if gate.dtype != mx.float32:
+    if gate.dtype != mx.float32 or gate.size < MLX_BELOW:
         return _mlx_swiglu(gate, x)
     return gate * x / (1.0 + mx.power(2.0, gate * -LOG2E))
 
