@@ -432,8 +432,7 @@ def _summary(
         "\nmedians over repeats, each a ratio to loopback in the same repeat (ITL: lower is better)"
     )
     headers = ["side", "ping ms", "streams", "ttft/loop", "itl/loop", "tok_s/loop"]
-    headers.append("proxies ms/tok")
-    print(table(headers, rows))
+    print(table([*headers, "proxies ms/tok"], rows))
     print(
         "(proxies ms/tok: the delay proxies' own CPU a generated token over the side's levels, "
         "on the cores the pool shares; a real network costs the hosts none of it)"

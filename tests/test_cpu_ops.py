@@ -148,9 +148,9 @@ def test_small_work_goes_to_mlx_s_own_functions_and_large_work_to_ours(
     monkeypatch.setattr(cpu_ops, "_mlx_swiglu", swiglu_spy)
     decode = _qkv(1, 12, 4, 1, 100)  # 1,200 scores
     prefill = _qkv(1, 12, 4, 64, 64)  # 49,152 scores
-    cpu_ops.scaled_dot_product_attention(*decode[:1], *decode[1:], None, 0.25, None)
+    cpu_ops.scaled_dot_product_attention(*decode, None, 0.25, None)
     assert theirs == ["sdpa"]
-    cpu_ops.scaled_dot_product_attention(*prefill[:1], *prefill[1:], None, 0.25, "causal")
+    cpu_ops.scaled_dot_product_attention(*prefill, None, 0.25, "causal")
     assert theirs == ["sdpa"]
     one, wide = mx.random.normal((1, 1, 1344)), mx.random.normal((16, 1, 1344))
     cpu_ops.swiglu(one, one)
