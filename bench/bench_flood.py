@@ -60,8 +60,10 @@ PROMPT = "The quick brown fox"
 MAX_TOKENS = 32
 SAMPLE_S = 0.1  # queue-depth sampling period
 SERIES_POINTS = 16  # how many samples of a round the printed series shows
-# One router process: on 2 cores the two workers need the CPU more than a second router.
-OVERRIDES = {"router": {"processes": 1}}
+# One router process: on 2 cores the two workers need the CPU more than a second router. The
+# workers give their spare memory back after 1 s idle, so the RSS read after SETTLE_S is a
+# round's lasting growth, not a burst's buffers kept for the next (`idle_release_s`, 10 s).
+OVERRIDES = {"router": {"processes": 1}, "worker": {"idle_release_s": 1}}
 # RSS is read only once the pool is idle (nothing in flight or queued) and then after this
 # pause, so a round's last frees and the allocator's trimming are behind it.
 SETTLE_S = 2.0

@@ -137,6 +137,9 @@ class WorkerConfig(_Section):
     stuck_after_s: float = Field(60, ge=1)
     # float32 on CPU: attention and SwiGLU without mlx's slow CPU exp (worker/mlx_cpu/cpu_ops.py).
     cpu_fast_ops: bool = True
+    # An idle worker gives its spare memory back after this long (worker/mlx_cpu/idle_memory.py):
+    # work that comes back sooner finds its buffers still there instead of allocating them again.
+    idle_release_s: float = Field(10, ge=0)
     # At load, batched greedy tokens are compared with solo ones; the largest batch size that
     # matches caps batch_size (worker/engine/batch_invariance.py). False: batch_size as set.
     batch_invariance_check: bool = True
@@ -294,6 +297,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "MLXCEL_ADMISSION_WINDOW_MS": ("worker", "admission_window_ms"),
     "MLXCEL_WORKER_STUCK_AFTER_S": ("worker", "stuck_after_s"),
     "MLXCEL_CPU_FAST_OPS": ("worker", "cpu_fast_ops"),
+    "MLXCEL_IDLE_RELEASE_S": ("worker", "idle_release_s"),
     "MLXCEL_BATCH_INVARIANCE_CHECK": ("worker", "batch_invariance_check"),
     "MLXCEL_KV_BITS": ("worker", "kv_bits"),
     "MLXCEL_KV_GROUP_SIZE": ("worker", "kv_group_size"),

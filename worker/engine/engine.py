@@ -58,8 +58,6 @@ log = logging.getLogger("mlxcel.worker.engine")
 
 # A cache hit leaving at most this many prompt tokens to compute starts in one forward pass.
 FAST_START_MAX_TOKENS = 64
-# An engine idle this long (engine clock) gives its spare memory back (worker/mlx_cpu).
-IDLE_RELEASE_S = 1.0
 # A step with nothing to run but grammar compiles waits this long for one (seconds).
 COMPILE_WAIT_S = 0.005
 # Every output's detokenizer is fed this many of the prompt's last tokens first, so its text
@@ -433,7 +431,7 @@ class Engine:
             # Idle a while: its spare memory goes back. Not at once: the release holds the GIL
             # the publisher thread needs for the last events, and a client sending request
             # after request would pay the allocations each time.
-            if self._buffers_held and self.clock() - self._busy_at >= IDLE_RELEASE_S:
+            if self._buffers_held and self.clock() - self._busy_at >= self.config.idle_release_s:
                 if worth_releasing(self.release_share):
                     release_idle_memory()
                 self._buffers_held = False
