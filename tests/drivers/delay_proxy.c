@@ -49,19 +49,20 @@ struct dir {
     int blocked; /* dst full: waiting for EPOLLOUT */
 };
 
-struct conn {
-    struct dir d[2]; /* d[0]: client -> target, d[1]: target -> client */
-    int fds[2];
-    int watched[2]; /* each socket in the epoll set */
-    struct conn *next;
-    int dead;
-};
-
 /* What an epoll event points at: the listener, the timer, or one socket of a connection. */
 struct tag {
     int kind; /* 0 listener, 1 timer, 2 socket */
     struct conn *conn;
     int side; /* which of conn->fds */
+};
+
+struct conn {
+    struct dir d[2]; /* d[0]: client -> target, d[1]: target -> client */
+    int fds[2];
+    int watched[2];     /* each socket in the epoll set */
+    struct tag tags[2]; /* each socket's, for its epoll events */
+    struct conn *next;
+    int dead;
 };
 
 static int ep, timer;
@@ -82,8 +83,6 @@ static void reload_delay(void) {
     fclose(f);
 }
 
-static struct tag *tags_of(struct conn *c) { return (struct tag *)(c + 1); }
-
 /* What a socket waits for: input while the direction out of it still reads, output while the
  * direction into it is blocked; nothing (out of epoll, which reports a hang-up or an error
  * unasked) once neither, so a closed socket whose other direction still drains is not reported
@@ -92,7 +91,7 @@ static void rewatch(struct conn *c, int side) {
     struct dir *out = &c->d[side], *in = &c->d[1 - side];
     struct epoll_event ev = {0};
     ev.events = (out->reading ? EPOLLIN : 0) | (in->blocked ? EPOLLOUT : 0);
-    ev.data.ptr = &tags_of(c)[side];
+    ev.data.ptr = &c->tags[side];
     if (!ev.events) {
         if (c->watched[side]) epoll_ctl(ep, EPOLL_CTL_DEL, c->fds[side], NULL);
         c->watched[side] = 0;
@@ -212,14 +211,14 @@ static void accept_one(int ls, struct sockaddr_in *target) {
     fcntl(up, F_SETFL, fcntl(up, F_GETFL) | O_NONBLOCK);
     setsockopt(cl, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     setsockopt(up, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    struct conn *c = calloc(1, sizeof(struct conn) + 2 * sizeof(struct tag));
+    struct conn *c = calloc(1, sizeof *c);
     c->fds[0] = cl;
     c->fds[1] = up;
     for (int i = 0; i < 2; i++) {
         c->d[i].src = c->fds[i];
         c->d[i].dst = c->fds[1 - i];
         c->d[i].reading = 1;
-        tags_of(c)[i] = (struct tag){2, c, i};
+        c->tags[i] = (struct tag){2, c, i};
     }
     rewatch(c, 0);
     rewatch(c, 1);
