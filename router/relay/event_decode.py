@@ -1,15 +1,23 @@
 """A request stream's entry, as the stream hub hands it over, and the StreamEvent it holds.
 
 Decoded once per relayed token. `StreamEvent.from_wire` checks each field's name and exact type
-one by one; an event's shape (its field names in order, and their types) repeats from token to
-token, so a shape from_wire accepted once is known again by one dict lookup. What depends on
-the values (the kind, the token ids) is checked every time, and an event with logprobs, or of a
-shape not seen yet, goes through from_wire whole: either way the event equals the one from_wire
-makes, and a bad entry is the same `error` event with from_wire's message.
+one by one. A token's own event, a delta of kind, seq, text and token ids (what the worker writes
+for every token of a request without logprobs), is checked field by field here, in line; any
+other event's shape (its field names in order, and their types) repeats within a request, so a
+shape from_wire accepted once is known again by one dict lookup. What depends on the values (the
+kind, the token ids) is checked every time, and an event with logprobs, or of a shape not seen
+yet, goes through from_wire whole: either way the event equals the one from_wire makes, and a
+bad entry is the same `error` event with from_wire's message.
+
+The event is the unpacked map itself as the instance's attributes: a field the wire left out at
+a scalar default is read from the class (a dataclass keeps such defaults there), and only the
+list fields, each event's own, are added.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from shared.errors import ErrorKind
@@ -19,10 +27,18 @@ Shape = tuple[tuple[str, ...], tuple[type, ...]]
 # Shapes are few (an event's fields at their defaults are left off the wire, so a worker writes a
 # score or two of them); the bound only keeps odd writers from growing the cache.
 MAX_SHAPES = 256
-# A shape from_wire took -> the fields it lacks: those with a scalar default, and those whose
-# default is a list (each event gets a new one, as the dataclass makes them).
-_shapes: dict[Shape, tuple[dict[str, Any], tuple[str, ...]]] = {}
-_DEFAULTS: dict[str, Any] = vars(StreamEvent(kind="delta"))
+# The fields whose default each event gets anew (a list), by their factory: every other
+# field's default is the class's attribute, read where the instance has none.
+_OWN_DEFAULTS: dict[str, Callable[[], Any]] = {
+    f.name: f.default_factory
+    for f in dataclasses.fields(StreamEvent)
+    if f.default_factory is not dataclasses.MISSING
+}
+# A token's delta: these fields, and those of _OWN_DEFAULTS it lacks.
+_DELTA = ("kind", "seq", "text", "token_ids")
+_DELTA_LACKS = tuple((n, f) for n, f in _OWN_DEFAULTS.items() if n not in _DELTA)
+# A shape from_wire took -> the fields of _OWN_DEFAULTS it lacks.
+_shapes: dict[Shape, tuple[tuple[str, Callable[[], Any]], ...]] = {}
 _KINDS = StreamEvent.KINDS
 _new = object.__new__
 
@@ -62,6 +78,18 @@ def decode_event(data: bytes) -> StreamEvent:
         return _checked(data)
     if type(message) is not dict:
         return _checked(data)
+    if len(message) == 4:
+        ids = message.get("token_ids")
+        if (
+            message.get("kind") == "delta"
+            and type(message.get("seq")) is int
+            and type(message.get("text")) is str
+            and type(ids) is list
+            and _ints(ids)
+        ):  # exactly those four fields, of from_wire's types: a token's delta
+            for name, make in _DELTA_LACKS:
+                message[name] = make()
+            return _event(message)
     shape = (tuple(message), tuple(map(type, message.values())))
     lacking = _shapes.get(shape)
     if (
@@ -71,14 +99,9 @@ def decode_event(data: bytes) -> StreamEvent:
         and not message.get("prompt_logprobs")
         and _ints(message.get("token_ids", ()))
     ):
-        scalars, lists = lacking
-        if scalars:
-            message.update(scalars)
-        for name in lists:
-            message[name] = []
-        event = _new(StreamEvent)
-        event.__dict__ = message  # its fields as sent, then those it lacked at their defaults
-        return event  # type: ignore[no-any-return]
+        for name, make in lacking:
+            message[name] = make()
+        return _event(message)
     try:
         event = StreamEvent.from_wire(data)
     except (WireError, ValueError) as exc:
@@ -86,6 +109,13 @@ def decode_event(data: bytes) -> StreamEvent:
     if len(_shapes) < MAX_SHAPES:  # from_wire took it: its shape passes from_wire's checks
         _shapes[shape] = _lacking(message)
     return event
+
+
+def _event(message: dict[str, Any]) -> StreamEvent:
+    """The event whose fields are `message`'s (every field of _OWN_DEFAULTS among them)."""
+    event = _new(StreamEvent)
+    event.__dict__ = message
+    return event  # type: ignore[no-any-return]
 
 
 def _ints(values: Any) -> bool:
@@ -97,10 +127,8 @@ def _ints(values: Any) -> bool:
     return True
 
 
-def _lacking(message: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
-    absent = [name for name in _DEFAULTS if name not in message]
-    scalars = {n: _DEFAULTS[n] for n in absent if not isinstance(_DEFAULTS[n], list)}
-    return scalars, tuple(n for n in absent if isinstance(_DEFAULTS[n], list))
+def _lacking(message: dict[str, Any]) -> tuple[tuple[str, Callable[[], Any]], ...]:
+    return tuple((n, f) for n, f in _OWN_DEFAULTS.items() if n not in message)
 
 
 def _checked(data: bytes) -> StreamEvent:
