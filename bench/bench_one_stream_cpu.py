@@ -10,7 +10,10 @@ thread, OpenBLAS's helper, the thread that builds each step's graph), the rest o
 is what serving adds inside it (the worker's publisher and heartbeat; the server's HTTP
 handler). On a machine whose cores the model's threads already fill, every millisecond a token
 costs anywhere else is time a step waits for a core: the table shows both sides' milliseconds
-outside the model's threads, and their tok/s and inter-token latency side by side.
+outside the model's threads, and their tok/s and inter-token latency side by side. A second
+table counts wake-ups a token by process: each thread's voluntary context switches (a switch
+that is a sleep, so one wake-up each; the kernel's count, `/proc/<pid>/task/*/status`), summed
+over every thread of the process (threads that end before the count is read are not in it).
 
 `--no-stream` asks both sides for whole responses (no inter-token latency then): what the pool
 spends on a token its client reads only at the end. `--streams N` runs N clients side by side,
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -55,6 +59,7 @@ PROMPT_TOKENS = 64
 WARMUP_REQUESTS = 2
 MODEL_THREADS = 3  # MLX's CPU stream, OpenBLAS's helper, the graph-building thread
 SERVER_MODEL = "default_model"  # mlx_lm.server loads any other `model` value as a path
+MODEL_PROCESS = "model's process"  # the wake-up table's name for the process holding the model
 
 
 @dataclass
@@ -66,9 +71,13 @@ class Split:
     tok_s: float = 0.0
     itl_ms: float = 0.0
     cpu_s: dict[str, float] = field(default_factory=dict)
+    wakes: dict[str, int] = field(default_factory=dict)  # voluntary context switches, by process
 
     def ms_per_token(self, part: str) -> float:
         return 1000 * self.cpu_s.get(part, 0.0) / max(self.tokens, 1)
+
+    def wakes_per_token(self, part: str) -> float:
+        return self.wakes.get(part, 0) / max(self.tokens, 1)
 
     @property
     def outside_model_ms(self) -> float:
@@ -88,6 +97,26 @@ def _threads(proc: psutil.Process) -> dict[int, float]:
         return {t.id: t.user_time + t.system_time for t in proc.threads()}
     except psutil.NoSuchProcess:
         return {}
+
+
+def _wakes(proc: psutil.Process) -> int:
+    """The voluntary context switches of every thread of `proc` so far: each thread's sleeps,
+    so its wake-ups."""
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{proc.pid}/task")
+    except OSError:
+        return 0
+    for tid in tids:
+        try:
+            with open(f"/proc/{proc.pid}/task/{tid}/status") as status:
+                for line in status:
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        total += int(line.split()[1])
+                        break
+        except OSError:  # the thread ended
+            continue
+    return total
 
 
 def _pool_parts() -> tuple[psutil.Process, dict[str, list[psutil.Process]]]:
@@ -144,6 +173,8 @@ async def _measure(
         me = psutil.Process()
         groups = {**others, "client": [me]}
         before = {k: sum(_cpu(p) for p in ps) for k, ps in groups.items()}
+        wakes_before = {k: sum(_wakes(p) for p in ps) for k, ps in groups.items()}
+        wakes_before[MODEL_PROCESS] = _wakes(holder)
         threads_before = _threads(holder)
         left = [_body(model, p, max_tokens, stream) for p in prompts[WARMUP_REQUESTS:]]
         results = []
@@ -155,6 +186,8 @@ async def _measure(
         await asyncio.gather(*[one_client() for _ in range(streams)])
         threads_after = _threads(holder)
         after = {k: sum(_cpu(p) for p in ps) for k, ps in groups.items()}
+        wakes_after = {k: sum(_wakes(p) for p in ps) for k, ps in groups.items()}
+        wakes_after[MODEL_PROCESS] = _wakes(holder)
     spent = sorted(
         (threads_after[t] - threads_before.get(t, 0.0) for t in threads_after), reverse=True
     )
@@ -163,6 +196,7 @@ async def _measure(
     split.cpu_s["rest of the model's process"] = sum(spent[MODEL_THREADS:])
     for k in groups:
         split.cpu_s[k] = after[k] - before[k]
+    split.wakes = {k: wakes_after[k] - wakes_before[k] for k in wakes_after}
     split.tokens = sum(r.completion_tokens for r in results)
     wall = max(r.end for r in results) - min(r.start for r in results)
     split.tok_s = split.tokens / wall
@@ -230,6 +264,21 @@ def main() -> int:
         for s in splits
     ]
     print(table(headers, rows))
+    woken = list(dict.fromkeys(k for s in splits for k in s.wakes))
+    print("wake-ups a token (voluntary context switches, every thread of each process):")
+    print(
+        table(
+            ["side", *woken, "all"],
+            [
+                [
+                    s.side,
+                    *[s.wakes_per_token(k) if k in s.wakes else "" for k in woken],
+                    sum(s.wakes_per_token(k) for k in s.wakes),
+                ]
+                for s in splits
+            ],
+        )
+    )
 
     def med(side: str, value: Callable[[Split], float]) -> float:
         return median([value(s) for s in splits if s.side == side])
