@@ -157,7 +157,7 @@ async def _build_state(settings: Settings) -> RouterState:
         model_dir=model_dir,
         model_id=model_id,
         catalog=ModelCatalog(
-            admission, created, sync_redis, hasher, settings.router.tokenizer_copies
+            admission, created, sync_redis, hasher, settings.router.tokenizer_copies, batch
         ),
         dispatcher=dispatcher,
         aredis=aredis,

@@ -130,6 +130,42 @@ def read_roster(
     return out
 
 
+# The roster in one command (read_roster's two round trips, and its SMEMBERS's wake of Redis,
+# made one): per member its id, its info hash's PTTL and HMGET of the fields (ARGV[2..]), flat.
+# Keys only as the roster key and the shared.keys info template (ARGV[1]), as cache_stats's
+# script names them.
+ROSTER_LUA = """
+local at = string.find(ARGV[1], '{wid}', 1, true)
+local head, tail = string.sub(ARGV[1], 1, at - 1), string.sub(ARGV[1], at + 5)
+local out = {}
+for _, wid in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local key = head .. wid .. tail
+  out[#out + 1] = wid
+  out[#out + 1] = redis.call('PTTL', key)
+  out[#out + 1] = redis.call('HMGET', key, unpack(ARGV, 2))
+end
+return out
+"""
+
+
+def roster_script_args(fields: Sequence[str]) -> tuple[list[str], list[str]]:
+    """ROSTER_LUA's keys and args for these info-hash fields (at least one)."""
+    if not fields:
+        raise ValueError("ROSTER_LUA reads at least one info-hash field")
+    return [keys.workers_roster()], [keys.WORKER_KEY_TEMPLATES["info"], *fields]
+
+
+def roster_from_reply(reply: Sequence[Any], fields: Sequence[str]) -> list[WorkerRecord]:
+    """ROSTER_LUA's raw reply as read_roster's records, by worker id."""
+    out = []
+    for i in range(0, len(reply), 3):
+        values = reply[i + 2]
+        info = {f: v.decode() for f, v in zip(fields, values, strict=True) if v is not None}
+        out.append(WorkerRecord(reply[i].decode(), int(reply[i + 1]), info, []))
+    out.sort(key=lambda w: w.worker_id)
+    return out
+
+
 def pid_alive(pid: int) -> bool:
     """Whether a process `pid` runs on this host (one another user owns counts as running)."""
     if pid <= 0:

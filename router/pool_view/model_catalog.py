@@ -20,6 +20,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -35,12 +36,13 @@ from router.admission.tokenization import (
     missing_model_files,
 )
 from router.edge.errors import APIError
+from router.redis_batch import RedisBatch
 from shared import keys
 from shared.block_hash import BlockHasher, canary
 from shared.canary_check import CanaryMismatch
 from shared.embedding_wire import TASK_EMBEDDING, TASK_GENERATION
 from shared.errors import ErrorKind
-from shared.liveness import read_roster
+from shared.liveness import ROSTER_LUA, WorkerRecord, roster_from_reply, roster_script_args
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +50,10 @@ log = logging.getLogger(__name__)
 LIVE_CACHE_S = 1.0
 # How often each router process reads the roster in the background: the requests' view, kept
 # younger than the half of LIVE_CACHE_S that ready() asks of it, so a request after a quiet spell
-# (a single user's next one) is admitted on the loop without reading the roster first (two round
-# trips and a thread's wake before its placement); and a worker whose model's files are not here
-# is reported when it registers, not at the first request for it.
+# (a single user's next one) is admitted on the loop without reading the roster first (a round
+# trip and a thread's wake before its placement); and a worker whose model's files are not here
+# is reported when it registers, not at the first request for it. The read is one script on the
+# loop (a thread only where the disk is looked at): the watch is most of an idle router's work.
 WATCH_S = LIVE_CACHE_S / 3
 # How long a model that failed to load is refused without trying again: a broken tokenizer is
 # not loaded again for every request, and mended files are found this soon.
@@ -60,6 +63,9 @@ RECHECK_S = 5.0
 NO_RETRY = {"x-should-retry": "false"}
 
 LoadError = TokenizerLoadError | CanaryMismatch
+
+# What the catalog reads of each worker's info hash.
+ROSTER_FIELDS = ("model", "model_dir", "canary", "task", "embedding_dimensions", "host")
 
 
 @dataclass(frozen=True)
@@ -109,10 +115,16 @@ class ModelCatalog:
         sync_redis: redis.Redis,
         hasher: BlockHasher,
         tokenizer_copies: int,
+        batch: RedisBatch,
     ) -> None:
         self.primary = primary
         self.created = created
         self.r = sync_redis
+        # The roster in one command: from a thread through the sync client, on the loop through
+        # the batch (its write shared with the requests' commands).
+        self._batch = batch
+        self._roster = sync_redis.register_script(ROSTER_LUA)
+        self._roster_keys, self._roster_args = roster_script_args(ROSTER_FIELDS)
         self.hasher = hasher
         self.tokenizer_copies = tokenizer_copies
         self.host = socket.gethostname()
@@ -184,7 +196,7 @@ class ModelCatalog:
 
     async def _refresh_live(self) -> None:
         try:
-            await anyio.to_thread.run_sync(self._read_locked)
+            await self._look()
         except redis.RedisError as exc:  # requests report an unreachable Redis themselves
             log.debug("model catalog: roster unreadable (%s)", exc)
         except Exception:
@@ -195,8 +207,41 @@ class ModelCatalog:
     def _read_live_now(self) -> dict[str, LiveModel]:
         """The roster as it is now, shown from now on (its caller holds _read_lock)."""
         began = time.monotonic()
-        self._live, self._live_at = self._read_live(), began
-        return self._live
+        reply = self._roster(self._roster_keys, self._roster_args, self.r)
+        live = self._live_from(roster_from_reply(reply, ROSTER_FIELDS), _mtime)
+        assert live is not None  # _mtime answers every path
+        self._show(live, began)
+        return live
+
+    def _show(self, live: dict[str, LiveModel], began: float) -> None:
+        """`live`, read from `began` on, is the view from now on (its caller holds _read_lock)."""
+        self._seen = live
+        self._live, self._live_at = live, began
+
+    async def _read_on_loop(self) -> dict[str, LiveModel] | None:
+        """The roster as it is now, read on the loop and shown from now on, or None where that
+        takes the disk (a directory's mtime not known yet). A read under way in a thread (it
+        holds _read_lock) is left to show its view, as new as this one: the loop never waits
+        for that lock; threads wait for it while this read is under way, as for each other's."""
+        if not self._read_lock.acquire(blocking=False):
+            return self._live
+        try:
+            began = time.monotonic()
+            reply = await self._batch.script(self._roster, self._roster_keys, self._roster_args)
+            known = {m.model_dir: m.created for m in self._live.values()}
+            live = self._live_from(roster_from_reply(reply, ROSTER_FIELDS), known.get)
+            if live is not None:
+                self._show(live, began)
+            return live
+        finally:
+            self._read_lock.release()
+
+    async def _look(self) -> None:
+        """Read the roster on the loop; where that view needs the disk (a model not loaded here
+        whose files are checked, a directory's mtime), read and screen it in a thread instead."""
+        live = await self._read_on_loop()
+        if live is None or any(m != self.primary.model_id and m not in self._others for m in live):
+            await anyio.to_thread.run_sync(self._read_and_screen)
 
     def embedding_model(self, model_id: str, fresh: bool = False) -> LiveModel | None:
         """The live embedding model of this id, else None (a generation model, or none live).
@@ -249,11 +294,15 @@ class ModelCatalog:
                 return self._live
             return self._read_live_now()
 
-    def _read_live(self) -> dict[str, LiveModel]:
+    @staticmethod
+    def _live_from(
+        records: Sequence[WorkerRecord], created: Callable[[str], int | None]
+    ) -> dict[str, LiveModel] | None:
+        """The live models of these roster records, each dated by `created(model_dir)`; None
+        where that answers None."""
         first: dict[str, dict[str, str]] = {}
         workers: dict[str, list[tuple[str, str]]] = {}
-        fields = ("model", "model_dir", "canary", "task", "embedding_dimensions", "host")
-        for w in read_roster(self.r, fields):
+        for w in records:
             mid = w.info.get("model")
             if not w.alive or mid is None:
                 continue
@@ -263,16 +312,18 @@ class ModelCatalog:
         for mid, info in first.items():
             path = info.get("model_dir", "")
             dims = info.get("embedding_dimensions", "")
+            when = created(path)
+            if when is None:
+                return None
             live[mid] = LiveModel(
                 mid,
                 path,
                 info.get("canary", ""),
-                _mtime(path),
+                when,
                 info.get("task") or TASK_GENERATION,
                 int(dims) if dims.isdigit() else 0,
                 tuple(workers[mid]),
             )
-        self._seen = live
         return live
 
     async def start(self) -> None:
@@ -290,7 +341,7 @@ class ModelCatalog:
     async def _watch(self) -> None:
         while True:
             try:
-                await anyio.to_thread.run_sync(self._read_and_screen)
+                await self._look()
             except redis.RedisError as exc:  # requests report an unreachable Redis themselves
                 log.debug("model catalog: roster unreadable (%s); looking again later", exc)
             except Exception:  # a bug here must not end the watch for the process's life
