@@ -21,6 +21,7 @@ script (Redis time there grows with the number of calls).
 | `mlxcel:worker:<wid>:reaped` | string | the worker that failed a dead one's jobs | REAPED_TTL_S |
 | `mlxcel:control:<reply_id>:reply` | list | worker pushes, router pops | CONTROL_TTL_S |
 | `mlxcel:router:<hub_id>:wake` | stream | one router process (its stream hub) | REQUEST_TTL_S |
+| `mlxcel:router:<hub_id>:push` | channel | workers publish, one router reads | not a key |
 | `mlxcel:admission:inflight` | zset | routers: admission ledger | none: members lapse by score |
 | `mlxcel:admission:queued` | hash | routers: unstarted prompt tokens | none: goes with members |
 | `mlxcel:worker:<wid>:blocks:<epoch>` | set | worker: its cache's block hashes | LIVENESS_TTL_S |
@@ -274,6 +275,12 @@ def router_wake(hub_id: str) -> str:
     return f"{PREFIX}:router:{hub_id}:wake"
 
 
+def router_push(hub_id: str) -> str:
+    """A router process's pub/sub channel (not a key): workers publish there the events they
+    append to the streams it relays (GenerationRequest.relay_channel)."""
+    return f"{PREFIX}:router:{hub_id}:push"
+
+
 # Templates handed to Lua scripts as ARGV (the script substitutes the worker id for `{wid}`),
 # so that no key is formatted outside this module.
 WORKER_KEY_TEMPLATES: dict[str, str] = {
@@ -339,7 +346,7 @@ def parse_key(key: str) -> ParsedKey:
                 "take",
             },
             "control": {"reply"},
-            "router": {"wake"},
+            "router": {"wake", "push"},
             "response": {"state"},
         }[parts[1]]
         if part in allowed:

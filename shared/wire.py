@@ -183,6 +183,10 @@ class GenerationRequest:
     # Whether its client reads the tokens as they come: a worker writes a non-streamed
     # request's tokens to its stream a few at a time (worker.broker.event_hold).
     stream: bool = True
+    # The pub/sub channel of the router process that relays its stream (shared.keys.router_push):
+    # the worker publishes each step's events there too (worker.broker.publisher.STEP_LUA). Set
+    # only for a worker that says it can (its info hash's `relay_push`). "": none.
+    relay_channel: str = ""
 
     WIRE_TYPES: ClassVar[dict[str, tuple[type, ...]]] = {
         "request_id": (str,),
@@ -213,6 +217,7 @@ class GenerationRequest:
         "enqueued_at": _NUMBER,
         "group": (str,),
         "stream": (bool,),
+        "relay_channel": (str,),
     }
 
     # Fields left out of the wire at their default, so a worker from before them still reads
@@ -227,6 +232,7 @@ class GenerationRequest:
         "stop_token_ids": [],
         "include_stop_str_in_output": False,
         "stream": True,
+        "relay_channel": "",
     }
 
     def to_wire(self) -> dict[str, Any]:

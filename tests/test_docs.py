@@ -98,7 +98,7 @@ def test_mlxcel_keys_parse_back(name: str) -> None:
     rebuilt = {
         "req": {"stream": keys.request_stream, "cancel": keys.request_cancel},
         "control": {"reply": keys.control_reply},
-        "router": {"wake": keys.router_wake},
+        "router": {"wake": keys.router_wake, "push": keys.router_push},
         "response": {"state": keys.response_state},
         "worker": {
             "info": keys.worker_info,

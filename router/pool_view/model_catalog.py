@@ -65,7 +65,15 @@ NO_RETRY = {"x-should-retry": "false"}
 LoadError = TokenizerLoadError | CanaryMismatch
 
 # What the catalog reads of each worker's info hash.
-ROSTER_FIELDS = ("model", "model_dir", "canary", "task", "embedding_dimensions", "host")
+ROSTER_FIELDS = (
+    "model",
+    "model_dir",
+    "canary",
+    "task",
+    "embedding_dimensions",
+    "host",
+    "relay_push",
+)
 
 
 @dataclass(frozen=True)
@@ -132,6 +140,9 @@ class ModelCatalog:
         self._lock = threading.Lock()
         self._live: dict[str, LiveModel] = {}
         self._live_at = float("-inf")
+        # The live workers that publish their streams' events to a router's channel (their info
+        # hash's `relay_push`), as of the view.
+        self._pushers: frozenset[str] = frozenset()
         # One roster read at a time (the watch's, ready()'s refresh, the requests'), so the view
         # shown is always the one whose read began last.
         self._read_lock = threading.Lock()
@@ -208,15 +219,26 @@ class ModelCatalog:
         """The roster as it is now, shown from now on (its caller holds _read_lock)."""
         began = time.monotonic()
         reply = self._roster(self._roster_keys, self._roster_args, self.r)
-        live = self._live_from(roster_from_reply(reply, ROSTER_FIELDS), _mtime)
+        records = roster_from_reply(reply, ROSTER_FIELDS)
+        live = self._live_from(records, _mtime)
         assert live is not None  # _mtime answers every path
-        self._show(live, began)
+        self._show(live, began, records)
         return live
 
-    def _show(self, live: dict[str, LiveModel], began: float) -> None:
+    def _show(
+        self, live: dict[str, LiveModel], began: float, records: Sequence[WorkerRecord]
+    ) -> None:
         """`live`, read from `began` on, is the view from now on (its caller holds _read_lock)."""
         self._seen = live
+        self._pushers = frozenset(
+            w.worker_id for w in records if w.alive and w.info.get("relay_push") == "1"
+        )
         self._live, self._live_at = live, began
+
+    def pushes(self, worker_id: str) -> bool:
+        """Whether this live worker publishes its streams' events to a router's channel (as of
+        the view: a worker that registered since is sent none, and relayed by reads)."""
+        return worker_id in self._pushers
 
     async def _read_on_loop(self) -> dict[str, LiveModel] | None:
         """The roster as it is now, read on the loop and shown from now on, or None where that
@@ -229,9 +251,10 @@ class ModelCatalog:
             began = time.monotonic()
             reply = await self._batch.script(self._roster, self._roster_keys, self._roster_args)
             known = {m.model_dir: m.created for m in self._live.values()}
-            live = self._live_from(roster_from_reply(reply, ROSTER_FIELDS), known.get)
+            records = roster_from_reply(reply, ROSTER_FIELDS)
+            live = self._live_from(records, known.get)
             if live is not None:
-                self._show(live, began)
+                self._show(live, began, records)
             return live
         finally:
             self._read_lock.release()

@@ -9,6 +9,16 @@ A blocked XREAD cannot learn of a new stream, so a new subscription XADDs to thi
 wake stream, which every read includes; a subscription made while the read in flight already
 names it (or while one wake is on its way) needs none.
 
+A worker that can also publishes each step's events to this process's channel
+(shared.keys.router_push; worker.broker.publisher.STEP_LUA), with the id of the entry before
+them. A push that follows what the hub has of its stream (that entry is its last) is taken, and
+the stream is left out of the reads from then on: a token costs no read re-armed, no write of the
+router's and no wake-up of Redis's. Anything else falls back to the reads, which resume from the
+last entry taken: a push with a gap before it, a lost push channel (every stream goes back to
+them), and what a look every PUSH_CHECK_S finds in a pushed stream beyond its last entry (an
+entry written without a push). Each stream's entries reach its feed once and in order, whichever
+way they came: an entry at or before the last one taken is dropped.
+
 The read is packed and read here, not by redis-py: a read names every open stream, and redis-py's
 packing of a few hundred arguments cost more than the reply's parse. Each stream's key is packed
 once, at its subscription, and its last id once per read that moved it. redis-py opens the read
@@ -29,12 +39,14 @@ from contextlib import suppress
 from typing import Any
 
 import hiredis
+import msgpack
 import redis
 
 from router.redis_batch import RedisBatch
 from shared import keys
 from shared.config import RedisConfig
 from shared.redis_clients import async_client
+from shared.wire import STREAM_FIELD
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +64,9 @@ STALL_CHECK_S = 5.0
 DUE_SLACK_S = 0.002
 # How late a reader waiting for its stream's next entries may learn that its wait is over.
 TICK_S = 0.1
+# How often the pushed streams are read once for what no push brought (an entry written
+# without one): the most such an entry waits.
+PUSH_CHECK_S = 1.0
 
 # A wake-up: one entry on the wake stream and its TTL, in one script (one command, and the
 # stream never exists without its TTL).
@@ -68,6 +83,17 @@ RawEntry = list[Any]
 def _bulk(value: bytes) -> bytes:
     """One RESP bulk string."""
     return b"$%d\r\n%b\r\n" % (len(value), value)
+
+
+def _entry_id(raw: bytes) -> tuple[int, int]:
+    ms, _, seq = raw.partition(b"-")
+    return int(ms), int(seq or 0)
+
+
+def _after(entries: list[RawEntry], last: bytes) -> list[RawEntry]:
+    """The entries after `last`, by id."""
+    bound = _entry_id(last)
+    return [e for e in entries if _entry_id(e[0]) > bound]
 
 
 class Deadlines:
@@ -155,12 +181,34 @@ class Feed:
 
 
 class _Subscription:
-    __slots__ = ("feed", "key_arg", "id_arg")
+    __slots__ = ("feed", "key_arg", "id_arg", "last", "pushed", "mixed")
 
     def __init__(self, key: bytes, deadlines: Deadlines) -> None:
         self.feed = Feed(deadlines)
         self.key_arg = _bulk(key)
-        self.id_arg = _bulk(b"0-0")  # every entry the stream has: a worker may write first
+        self.last = b"0-0"  # every entry the stream has: a worker may write first
+        self.id_arg = _bulk(self.last)
+        self.pushed = False  # its entries come by push: the reads leave it out
+        self.mixed = False  # a push has brought some: a read's entries are checked by id
+
+    def take(self, entries: list[RawEntry]) -> None:
+        """New entries, in order, to the feed."""
+        self.last = entries[-1][0]
+        self.id_arg = _bulk(self.last)
+        self.feed.push(entries)
+
+    def take_push(self, before: bytes, entries: list[RawEntry]) -> bool:
+        """A push's entries (the stream's entry `before` them first): those after the last taken,
+        if they follow it; False for a push with a gap before it (the reads fetch what it lacks)."""
+        if before != self.last:
+            at = next((i for i, e in enumerate(entries) if e[0] == self.last), None)
+            if at is None:
+                return _entry_id(entries[-1][0]) <= _entry_id(self.last)  # all taken already
+            entries = entries[at + 1 :]
+        self.pushed = self.mixed = True
+        if entries:
+            self.take(entries)
+        return True
 
 
 class _ReadProtocol(asyncio.Protocol):
@@ -192,17 +240,36 @@ class _ReadProtocol(asyncio.Protocol):
             self.lost.set_exception(exc)
 
 
+class _PushProtocol(_ReadProtocol):
+    """The push channel's connection once subscribed: each message to `on_message`."""
+
+    def __init__(self, on_message: Callable[[bytes], None], lost: asyncio.Future[None]) -> None:
+        super().__init__(self._on_push_reply, lost)
+        self._on_message = on_message
+
+    def _on_push_reply(self, reply: Any) -> None:
+        # RESP2 and RESP3 alike: [b"message", channel, data]; the subscribe's own reply is not.
+        if isinstance(reply, list) and len(reply) == 3 and reply[0] == b"message":
+            self._on_message(reply[2])
+
+
 class StreamHub:
     def __init__(self, config: RedisConfig, batch: RedisBatch | None = None) -> None:
         # The blocking read has a connection of its own, opened by a client of its own and then
-        # read through _ReadProtocol; wake-ups go through another client, in the process's
-        # command batch (one of its own when none is given: it stops with the hub).
+        # read through _ReadProtocol; the push channel another (_PushProtocol); wake-ups go
+        # through another client, in the process's command batch (one of its own when none is
+        # given: it stops with the hub).
         self._reader = async_client(config)
+        self._pusher = async_client(config)
         self._writer = async_client(config)
         self._stall_s = config.stall_timeout_s
         self._own_batch = batch is None
         self._batch = batch if batch is not None else RedisBatch(self._writer)
-        self._wake_key = keys.router_wake(uuid.uuid4().hex)
+        hub_id = uuid.uuid4().hex
+        self._wake_key = keys.router_wake(hub_id)
+        # Workers publish here what they append to this process's streams (GenerationRequest's
+        # relay_channel).
+        self.channel = keys.router_push(hub_id)
         self._wake_bkey = self._wake_key.encode()
         self._wake_arg = _bulk(self._wake_bkey)
         # From the start: the wake stream is this hub's alone (a new id), and a wake that Redis
@@ -211,6 +278,9 @@ class StreamHub:
         self._subs: dict[bytes, _Subscription] = {}
         self._wake = self._writer.register_script(WAKE_LUA)
         self._task: asyncio.Task[None] | None = None
+        self._push_task: asyncio.Task[None] | None = None
+        self._check_task: asyncio.Task[None] | None = None
+        self._stopping = False
         self._deadlines = Deadlines()
         self._transport: asyncio.Transport | None = None
         # A read is in flight, and it names every stream subscribed before it was sent; a wake
@@ -223,18 +293,23 @@ class StreamHub:
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="stream-hub")
+        self._push_task = asyncio.create_task(self._run_push(), name="stream-hub-push")
+        self._check_task = asyncio.create_task(self._check_pushed(), name="stream-hub-check")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with suppress(asyncio.CancelledError):
-                await self._task
+        self._stopping = True
+        for task in (self._task, self._push_task, self._check_task):
+            if task is not None:
+                task.cancel()
+                with suppress(asyncio.CancelledError):
+                    await task
         self._deadlines.close()
         if self._own_batch:
             await self._batch.stop()
         with suppress(redis.RedisError):
             await self._writer.delete(self._wake_key)
         await self._reader.aclose()
+        await self._pusher.aclose()
         await self._writer.aclose()
 
     async def subscribe(self, stream: str) -> Feed:
@@ -242,23 +317,30 @@ class StreamHub:
         sub = self._subs.get(key)
         if sub is None:
             sub = self._subs[key] = _Subscription(key, self._deadlines)
+        woken = self._bring_back()
+        if woken is not None:
+            await woken
+        return sub.feed
+
+    def _bring_back(self) -> asyncio.Future[Any] | None:
+        """A read that names every stream the reads cover now: the read in flight, sent before
+        one of them was among them, brought back by a wake (its future; None when no wake was
+        sent); or, the hub idle (no stream to read), a read sent now."""
         if self._reading:
             if not self._wake_sent:
-                # The read in flight was sent before this stream was known: bring it back.
                 self._wake_sent = True
-                await self._batch.script(
+                return self._batch.script(
                     self._wake, keys=[self._wake_key], args=[keys.REQUEST_TTL_S]
                 )
         elif self._gather is None:
-            self._send()  # the hub was idle (no stream to read): this one starts it
-        return sub.feed
+            self._send()
+        return None
 
     def unsubscribe(self, stream: str) -> None:
         self._subs.pop(stream.encode(), None)
 
-    def _command(self) -> bytes:
-        subs = self._subs.values()
-        n = 1 + len(self._subs)
+    def _command(self, subs: list[_Subscription]) -> bytes:
+        n = 1 + len(subs)
         head = b"*%d\r\n$5\r\nXREAD\r\n$5\r\nCOUNT\r\n%b$5\r\nBLOCK\r\n%b$7\r\nSTREAMS\r\n" % (
             6 + 2 * n,
             _bulk(b"%d" % READ_COUNT),
@@ -279,12 +361,15 @@ class StreamHub:
         callback: a subscription either is in this command or finds _reading set."""
         self._gather = None
         transport = self._transport
-        if self._reading or transport is None or transport.is_closing() or not self._subs:
+        if self._reading or transport is None or transport.is_closing():
+            return
+        subs = [s for s in self._subs.values() if not s.pushed]
+        if not subs:
             return
         self._wake_sent = False
         self._reading = True
         self._sent_at = asyncio.get_running_loop().time()
-        transport.write(self._command())
+        transport.write(self._command(subs))
 
     def _on_reply(self, reply: Any) -> None:
         self._reading = False
@@ -361,11 +446,111 @@ class StreamHub:
         for key, entries in pairs:
             if not entries:
                 continue
-            last = _bulk(entries[-1][0])
             sub = self._subs.get(key)
             if sub is None:
                 if key == self._wake_bkey:
-                    self._wake_id_arg = last
+                    self._wake_id_arg = _bulk(entries[-1][0])
                 continue
-            sub.id_arg = last
-            sub.feed.push(entries)
+            if sub.mixed:  # a push may have brought these first
+                entries = _after(entries, sub.last)
+                if not entries:
+                    continue
+            sub.take(entries)
+
+    # -- the push channel ---------------------------------------------------------------------
+
+    def _on_push(self, data: bytes) -> None:
+        """One worker's step for this process's streams: [stream key, the entry before, [id,
+        event, ...]] per stream. A push with a gap before it puts its stream back in the reads."""
+        items = msgpack.unpackb(data, raw=True, use_list=True)
+        gap = False
+        for i in range(0, len(items) - 2, 3):
+            sub = self._subs.get(items[i])
+            flat = items[i + 2]
+            if sub is None or not flat:
+                continue
+            entries = [[flat[j], [STREAM_FIELD, flat[j + 1]]] for j in range(0, len(flat), 2)]
+            if not sub.take_push(items[i + 1], entries) and sub.pushed:
+                # Not named by the read in flight: that read is brought back to name it.
+                sub.pushed = False
+                gap = True
+        if gap:
+            self._bring_back_soon()
+
+    def _bring_back_soon(self) -> None:
+        woken = self._bring_back()
+        if woken is not None:
+            woken.add_done_callback(_retrieved)
+
+    def _demote_all(self) -> None:
+        """Every stream back to the reads (the push channel was lost)."""
+        if self._stopping:
+            return
+        demoted = False
+        for sub in self._subs.values():
+            demoted = demoted or sub.pushed
+            sub.pushed = False
+        if demoted:
+            self._bring_back_soon()
+
+    async def _run_push(self) -> None:
+        """Subscribe to this process's channel and take its pushes until the connection fails,
+        then again; while it is down every stream is read."""
+        pool = self._pusher.connection_pool
+        loop = asyncio.get_running_loop()
+        while True:
+            conn = None
+            transport = None
+            lost: asyncio.Future[None] = loop.create_future()
+            try:
+                conn = await pool.get_connection()
+                transport = conn._writer.transport
+                transport.set_protocol(_PushProtocol(self._on_push, lost))
+                transport.write(hiredis.pack_command(("SUBSCRIBE", self.channel)))
+                await lost
+            except (redis.RedisError, OSError) as exc:
+                log.warning("stream hub: the push channel failed (%s); reading instead", exc)
+            except Exception:
+                log.exception("stream hub: the push channel failed; reading instead")
+            finally:
+                self._demote_all()
+                if not lost.done():
+                    lost.cancel()
+                if transport is not None:
+                    transport.abort()
+                if conn is not None:
+                    with suppress(Exception):
+                        await conn.disconnect(nowait=True)
+                    with suppress(Exception):
+                        await pool.release(conn)
+            await asyncio.sleep(RETRY_S)
+
+    async def _check_pushed(self) -> None:
+        """Every PUSH_CHECK_S, the pushed streams read once from their last entries: what no
+        push brought is taken, and its stream goes back to the reads."""
+        while True:
+            await asyncio.sleep(PUSH_CHECK_S)
+            pushed = [(k, s) for k, s in self._subs.items() if s.pushed]
+            if not pushed:
+                continue
+            args = [b"XREAD", b"COUNT", READ_COUNT, b"STREAMS"]
+            args += [k for k, _ in pushed] + [s.last for _, s in pushed]
+            try:
+                reply = await self._batch.call(*args)
+            except redis.RedisError as exc:
+                log.debug("stream hub: the pushed streams' check failed (%s)", exc)
+                continue
+            if not reply:
+                continue
+            before = {k: s.last for k, s in pushed}
+            self._dispatch(reply)  # what a push brought meanwhile is dropped there
+            missed = [s for k, s in pushed if s.last != before[k] and s.pushed]
+            for sub in missed:
+                sub.pushed = False
+            if missed:
+                self._bring_back_soon()
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.debug("stream hub: a wake failed (%s)", future.exception())

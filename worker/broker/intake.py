@@ -208,11 +208,12 @@ class PoolJob(Job):
 # args[from..to]; `first` is '1' when these events start the stream (else '0'). The publisher's
 # step script (worker.broker.publisher) calls the same function, so both keep one rule.
 APPEND_LUA = """
-local function append(stream, cancel, ttl, fld, first, args, from, to)
+local function append(stream, cancel, ttl, fld, first, args, from, to, ids)
   if redis.call('EXISTS', cancel) == 1 then return 0 end
   if first ~= '1' and redis.call('EXISTS', stream) == 0 then return 0 end
   for i = from, to do
-    redis.call('XADD', stream, '*', fld, args[i])
+    local id = redis.call('XADD', stream, '*', fld, args[i])
+    if ids then ids[#ids + 1] = id end
   end
   redis.call('EXPIRE', stream, ttl)
   return 1

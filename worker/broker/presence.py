@@ -117,6 +117,9 @@ class WorkerPresence(RqWorkerRecord):
             "rq_name": self.name,
             "epoch": self.epoch,
             "stuck_after_s": f"{stuck_after_s:g}",
+            # Its publisher publishes a request's events to the channel the request names
+            # (broker.publisher.STEP_LUA): routers name one only for a worker that says so.
+            "relay_push": "1",
         }
         self._k_info = keys.worker_info(worker_id)
         self._k_alive = keys.worker_alive(worker_id)

@@ -104,18 +104,50 @@ class PublishResult:
 # they read). KEYS: the reaped claim, the control list, the counters hash, the queues (nq), each
 # stream and its cancel flag (ns pairs), the watched requests' cancel flags (nw). ARGV: the
 # stream TTL, the event field, nq, ns, nw, the number of counters nc, nc (name, delta) pairs,
-# then per stream its first flag, its event count n and its n packed events. Returns {reaped
-# 0/1, a 0/1 per watched id, the control commands popped, the jobs queued}.
+# then per stream its first flag, its push channel ('' for none), its event count n and its n
+# packed events. Returns {reaped 0/1, a 0/1 per watched id, the control commands popped, the
+# jobs queued}.
+#
+# The events appended to a stream whose request names a push channel (its router's stream hub,
+# shared.keys.router_push) also go to that channel, one PUBLISH a channel a step:
+# cmsgpack of [stream key, the id of the entry before them ('0-0': none), [id, event, ...]] per
+# stream. The stream stays the record; the hub takes a push only where it follows what it has
+# read (the entry before it is its last), so the push spares it re-arming a read a token.
 STEP_LUA = (
     APPEND_LUA
     + """
 local ttl, fld = ARGV[1], ARGV[2]
 local nq, ns, nw, nc = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local k, a = 4 + nq, 7 + 2 * nc
+local pushes, channels = {}, {}
 for _ = 1, ns do
-  local n = tonumber(ARGV[a + 1])
-  append(KEYS[k], KEYS[k + 1], ttl, fld, ARGV[a], ARGV, a + 2, a + 1 + n)
-  k, a = k + 2, a + 2 + n
+  local ch, n = ARGV[a + 1], tonumber(ARGV[a + 2])
+  if ch == '' then
+    append(KEYS[k], KEYS[k + 1], ttl, fld, ARGV[a], ARGV, a + 3, a + 2 + n)
+  else
+    local before = redis.call('XREVRANGE', KEYS[k], '+', '-', 'COUNT', 1)
+    local ids = {}
+    if append(KEYS[k], KEYS[k + 1], ttl, fld, ARGV[a], ARGV, a + 3, a + 2 + n, ids) == 1 then
+      local batch = pushes[ch]
+      if batch == nil then
+        batch = {}
+        pushes[ch] = batch
+        channels[#channels + 1] = ch
+      end
+      local entries = {}
+      for i = 1, n do
+        entries[2 * i - 1] = ids[i]
+        entries[2 * i] = ARGV[a + 2 + i]
+      end
+      batch[#batch + 1] = KEYS[k]
+      batch[#batch + 1] = before[1] and before[1][1] or '0-0'
+      batch[#batch + 1] = entries
+    end
+  end
+  k, a = k + 2, a + 3 + n
+end
+for _, ch in ipairs(channels) do
+  redis.call('PUBLISH', ch, cmsgpack.pack(pushes[ch]))
 end
 for c = 7, 6 + 2 * nc, 2 do
   redis.call('HINCRBY', KEYS[3], ARGV[c], ARGV[c + 1])
@@ -234,7 +266,8 @@ class Publisher:
             args += (name, delta)
         for taken, packed in streams:
             key_list += (keys.request_stream(taken.id), keys.request_cancel(taken.id))
-            args += ("0" if taken.id in writes.ongoing else "1", len(packed), *packed)
+            push = taken.request.relay_channel if taken.request is not None else ""
+            args += ("0" if taken.id in writes.ongoing else "1", push, len(packed), *packed)
         key_list += [keys.request_cancel(rid) for rid in writes.watched]
         head = ["EVAL", STEP_LUA] if writes.ended else ["EVALSHA", STEP_SHA]
         return [*head, len(key_list), *key_list, *args]

@@ -1,0 +1,190 @@
+"""A worker's steps pushed to its router's stream hub (the publisher's step script publishes the
+events it appends to the channel the request names), on a real Redis: each stream's entries reach
+its feed once and in order, by push where the push follows what the hub has and by its reads
+otherwise (a gap, an entry written without a push)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+import pytest
+import redis
+
+from router.relay.event_decode import decode_entry
+from router.relay.stream_hub import PUSH_CHECK_S, Feed, StreamHub
+from shared import keys
+from shared.config import RedisConfig
+from shared.wire import STREAM_FIELD, StreamEvent
+from tests.streams import TINY_MODEL, enqueue
+from worker.broker.intake import RqIntake, TakenJob, own_queues
+from worker.broker.presence import WorkerPresence
+from worker.broker.publisher import Publisher, StepWrites
+
+WID = "w-push"
+
+
+@pytest.fixture
+def rig(redis_url: str) -> tuple[redis.Redis, Publisher, RqIntake]:
+    r = redis.Redis.from_url(redis_url)
+    info = {"worker_id": WID, "model": TINY_MODEL, "pid": str(os.getpid()), "host": "h"}
+    presence = WorkerPresence(r, WID, own_queues(r, WID, TINY_MODEL), info)
+    presence.arrive({})
+    return r, Publisher(presence, RqIntake(presence)), RqIntake(presence)
+
+
+def _events(seq: int, n: int) -> list[bytes]:
+    return [StreamEvent(kind="delta", seq=seq + i, text=f"t{seq + i}").to_wire() for i in range(n)]
+
+
+def _xreads(r: redis.Redis) -> int:
+    return int(r.info("commandstats").get("cmdstat_xread", {}).get("calls", 0))
+
+
+async def _collect(feed: Feed, want: int, got: list[int]) -> None:
+    while len(got) < want:
+        assert await feed.wait(10.0), f"only {got} arrived"
+        got += [decode_entry(fields).seq for _, fields in feed.take()]
+
+
+def _run(rig: Any, redis_url: str, body: Any) -> Any:
+    r, publisher, intake = rig
+
+    async def run() -> Any:
+        hub = StreamHub(RedisConfig(url=redis_url))
+        await hub.start()
+        try:
+            enqueue(r, [1, 2, 3], queue=keys.worker_queue_name(WID), relay_channel=hub.channel)
+            (taken,) = await asyncio.to_thread(intake.take, 1, None)
+            assert taken.request is not None and taken.request.relay_channel == hub.channel
+            feed = await hub.subscribe(keys.request_stream(taken.id))
+            return await body(hub, feed, taken)
+        finally:
+            await hub.stop()
+
+    return asyncio.run(asyncio.wait_for(run(), 60))
+
+
+def _step(publisher: Publisher, taken: TakenJob, seq: int, n: int, first: bool) -> None:
+    publisher.publish(
+        StepWrites(streams=[(taken, _events(seq, n))], ongoing=set() if first else {taken.id})
+    )
+
+
+def test_a_pushing_workers_steps_arrive_by_push_with_no_read_a_step(
+    rig: Any, redis_url: str
+) -> None:
+    r, publisher, _ = rig
+
+    async def body(hub: StreamHub, feed: Feed, taken: TakenJob) -> tuple[list[int], int, bool]:
+        got: list[int] = []
+        await asyncio.to_thread(_step, publisher, taken, 0, 2, True)
+        await _collect(feed, 2, got)
+        await asyncio.sleep(0.1)  # the read in flight when the push came ends with the next step
+        await asyncio.to_thread(_step, publisher, taken, 2, 1, False)
+        await _collect(feed, 3, got)
+        reads = _xreads(r)
+        for seq in range(3, 23):
+            await asyncio.to_thread(_step, publisher, taken, seq, 1, False)
+            await _collect(feed, seq + 1, got)
+        sub = hub._subs[keys.request_stream(taken.id).encode()]
+        return got, _xreads(r) - reads, sub.pushed
+
+    got, reads, pushed = _run(rig, redis_url, body)
+    assert got == list(range(23))
+    assert pushed
+    # Twenty steps, each relayed without a read (the pushed streams' check may read once).
+    assert reads <= 1
+
+
+def test_a_push_after_a_gap_falls_back_to_reads_and_each_entry_arrives_once(
+    rig: Any, redis_url: str
+) -> None:
+    """An entry written without a push (another writer) leaves the next push with a gap before
+    it: the stream goes back to the reads, which bring the entry and the push's own, once each
+    and in order; a later push that follows them is taken again."""
+    r, publisher, _ = rig
+
+    async def body(hub: StreamHub, feed: Feed, taken: TakenJob) -> tuple[list[int], bool]:
+        got: list[int] = []
+        await asyncio.to_thread(_step, publisher, taken, 0, 2, True)
+        await _collect(feed, 2, got)
+        stream = keys.request_stream(taken.id)
+        r.xadd(stream, {STREAM_FIELD: _events(2, 1)[0]})  # no push
+        await asyncio.to_thread(_step, publisher, taken, 3, 2, False)
+        await _collect(feed, 5, got)
+        await asyncio.to_thread(_step, publisher, taken, 5, 1, False)
+        await _collect(feed, 6, got)
+        await asyncio.to_thread(_step, publisher, taken, 6, 1, False)
+        await _collect(feed, 7, got)
+        return got, hub._subs[stream.encode()].pushed
+
+    got, pushed = _run(rig, redis_url, body)
+    assert got == list(range(7))
+    assert pushed
+
+
+def test_an_entry_no_push_brings_is_found_by_the_pushed_streams_check(
+    rig: Any, redis_url: str
+) -> None:
+    r, publisher, _ = rig
+
+    async def body(hub: StreamHub, feed: Feed, taken: TakenJob) -> tuple[list[int], float]:
+        got: list[int] = []
+        await asyncio.to_thread(_step, publisher, taken, 0, 1, True)
+        await _collect(feed, 1, got)
+        await asyncio.to_thread(_step, publisher, taken, 1, 1, False)
+        await _collect(feed, 2, got)
+        assert hub._subs[keys.request_stream(taken.id).encode()].pushed
+        r.xadd(keys.request_stream(taken.id), {STREAM_FIELD: _events(2, 1)[0]})  # no push
+        began = time.monotonic()
+        await _collect(feed, 3, got)
+        return got, time.monotonic() - began
+
+    got, waited = _run(rig, redis_url, body)
+    assert got == [0, 1, 2]
+    assert waited <= PUSH_CHECK_S + 2.0
+
+
+def test_a_worker_says_it_pushes_and_a_request_without_a_channel_is_not_pushed(
+    rig: Any, redis_url: str
+) -> None:
+    """Routers name a channel only for a worker whose info hash says `relay_push`; a request
+    without one is appended as before and published nowhere."""
+    r, publisher, intake = rig
+    assert r.hget(keys.worker_info(WID), "relay_push") == b"1"
+    enqueue(r, [1, 2, 3], queue=keys.worker_queue_name(WID))
+    (taken,) = intake.take(1, None)
+    assert taken.request is not None and taken.request.relay_channel == ""
+    pubsub = r.pubsub()
+    pubsub.psubscribe(keys.router_push("*"))
+    pubsub.get_message(timeout=1.0)  # the subscribe's own reply
+    _step(publisher, taken, 0, 2, True)
+    assert r.xlen(keys.request_stream(taken.id)) == 2
+    assert pubsub.get_message(timeout=0.5) is None
+    pubsub.close()
+
+
+def test_a_read_that_repeats_pushed_entries_brings_only_the_new_ones(
+    rig: Any, redis_url: str
+) -> None:
+    """A read sent before a push came (the one in flight, the pushed streams' check) answers
+    with entries the push brought too: only those after the last one taken reach the feed."""
+    r, publisher, _ = rig
+
+    async def body(hub: StreamHub, feed: Feed, taken: TakenJob) -> list[int]:
+        got: list[int] = []
+        for seq in range(3):
+            await asyncio.to_thread(_step, publisher, taken, seq, 1, seq == 0)
+            await _collect(feed, seq + 1, got)
+        stream = keys.request_stream(taken.id)
+        assert hub._subs[stream.encode()].pushed
+        r.xadd(stream, {STREAM_FIELD: _events(3, 1)[0]})  # no push
+        entries = [[eid, [STREAM_FIELD, f[STREAM_FIELD]]] for eid, f in r.xrange(stream)]
+        hub._dispatch([[stream.encode(), entries]])  # every entry, as a read from 0-0 answers
+        await _collect(feed, 4, got)
+        return got
+
+    assert _run(rig, redis_url, body) == [0, 1, 2, 3]
