@@ -8,11 +8,13 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
 
+from mlxcel_pool.redis_server import EmbeddedRedis
 from router.relay.event_decode import decode_entry
 from router.relay.stream_hub import PUSH_CHECK_S, Feed, StreamHub
 from shared import keys
@@ -188,3 +190,58 @@ def test_a_read_that_repeats_pushed_entries_brings_only_the_new_ones(
         return got
 
     assert _run(rig, redis_url, body) == [0, 1, 2, 3]
+
+
+@pytest.fixture
+def no_channels(redis_server: EmbeddedRedis) -> Iterator[str]:
+    """A URL of a Redis user with the pool's commands and keys but no pub/sub channel (Redis 7's
+    default for a new user, `resetchannels`)."""
+    admin = redis.Redis.from_url(redis_server.admin_url)
+    admin.execute_command(
+        "ACL", "SETUSER", "nochan", "on", ">nochan-pw", "~*", "resetchannels", "+@all",
+        "-@dangerous", "+info", "+client|setname", "+client|list", "+client|setinfo",
+    )  # fmt: skip
+    try:
+        yield f"redis://nochan:nochan-pw@{redis_server.host}:{redis_server.port}"
+    finally:
+        admin.execute_command("ACL", "DELUSER", "nochan")
+
+
+def test_a_user_refused_the_channel_relays_by_reads_and_its_worker_still_appends(
+    rig: Any, redis_url: str, no_channels: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A router whose Redis user may not subscribe names no channel to its workers (`pushing`
+    stays off), says why once, and relays by reads; a worker whose user may not publish appends
+    its events all the same (the step script's PUBLISH is the only thing refused)."""
+    r, _, _ = rig
+    r_nochan = redis.Redis.from_url(no_channels)
+    presence = WorkerPresence(
+        r_nochan, "w-nochan", own_queues(r_nochan, "w-nochan", TINY_MODEL), {}
+    )
+    publisher, intake = Publisher(presence, RqIntake(presence)), RqIntake(presence)
+
+    async def run() -> tuple[bool, list[int]]:
+        hub = StreamHub(RedisConfig(url=no_channels))
+        await hub.start()
+        try:
+            enqueue(
+                r,
+                [1, 2, 3],
+                queue=keys.worker_queue_name("w-nochan"),
+                relay_channel=keys.router_push("elsewhere"),  # refused to this user
+            )
+            (taken,) = await asyncio.to_thread(intake.take, 1, None)
+            feed = await hub.subscribe(keys.request_stream(taken.id))
+            got: list[int] = []
+            for seq in range(3):
+                await asyncio.to_thread(_step, publisher, taken, seq, 1, seq == 0)
+                await _collect(feed, seq + 1, got)
+            return hub.pushing, got
+        finally:
+            await hub.stop()
+
+    with caplog.at_level("WARNING", logger="router.relay.stream_hub"):
+        pushing, got = asyncio.run(asyncio.wait_for(run(), 60))
+    assert (pushing, got) == (False, [0, 1, 2])
+    refusals = [m for m in caplog.messages if "refused the push channel" in m]
+    assert len(refusals) == 1

@@ -67,6 +67,9 @@ TICK_S = 0.1
 # How often the pushed streams are read once for what no push brought (an entry written
 # without one): the most such an entry waits.
 PUSH_CHECK_S = 1.0
+# How long a push channel Redis refused (an ACL without this channel) waits to be asked again:
+# the reads serve meanwhile, and the refusal is logged once, not every RETRY_S.
+PUSH_REFUSED_RETRY_S = 60.0
 
 # A wake-up: one entry on the wake stream and its TTL, in one script (one command, and the
 # stream never exists without its TTL).
@@ -241,16 +244,26 @@ class _ReadProtocol(asyncio.Protocol):
 
 
 class _PushProtocol(_ReadProtocol):
-    """The push channel's connection once subscribed: each message to `on_message`."""
+    """The push channel's connection: each message to `on_message`, the subscription's
+    confirmation to `on_subscribed`."""
 
-    def __init__(self, on_message: Callable[[bytes], None], lost: asyncio.Future[None]) -> None:
+    def __init__(
+        self,
+        on_message: Callable[[bytes], None],
+        on_subscribed: Callable[[], None],
+        lost: asyncio.Future[None],
+    ) -> None:
         super().__init__(self._on_push_reply, lost)
         self._on_message = on_message
+        self._on_subscribed = on_subscribed
 
     def _on_push_reply(self, reply: Any) -> None:
-        # RESP2 and RESP3 alike: [b"message", channel, data]; the subscribe's own reply is not.
-        if isinstance(reply, list) and len(reply) == 3 and reply[0] == b"message":
-            self._on_message(reply[2])
+        # RESP2 and RESP3 alike: [b"message", channel, data], [b"subscribe", channel, count].
+        if isinstance(reply, list) and len(reply) == 3:
+            if reply[0] == b"message":
+                self._on_message(reply[2])
+            elif reply[0] == b"subscribe":
+                self._on_subscribed()
 
 
 class StreamHub:
@@ -270,6 +283,10 @@ class StreamHub:
         # Workers publish here what they append to this process's streams (GenerationRequest's
         # relay_channel).
         self.channel = keys.router_push(hub_id)
+        # Subscribed to it now: requests name it to their workers only then (a Redis user
+        # refused the channel, or a connection down, and they are relayed by reads alone).
+        self.pushing = False
+        self._push_refused = ""
         self._wake_bkey = self._wake_key.encode()
         self._wake_arg = _bulk(self._wake_bkey)
         # From the start: the wake stream is this hub's alone (a new id), and a wake that Redis
@@ -493,6 +510,12 @@ class StreamHub:
         if demoted:
             self._bring_back_soon()
 
+    def _subscribed(self) -> None:
+        self.pushing = True
+        if self._push_refused:
+            self._push_refused = ""
+            log.info("stream hub: the push channel %s is subscribed again", self.channel)
+
     async def _run_push(self) -> None:
         """Subscribe to this process's channel and take its pushes until the connection fails,
         then again; while it is down every stream is read."""
@@ -501,18 +524,30 @@ class StreamHub:
         while True:
             conn = None
             transport = None
+            pause = RETRY_S
             lost: asyncio.Future[None] = loop.create_future()
             try:
                 conn = await pool.get_connection()
                 transport = conn._writer.transport
-                transport.set_protocol(_PushProtocol(self._on_push, lost))
+                transport.set_protocol(_PushProtocol(self._on_push, self._subscribed, lost))
                 transport.write(hiredis.pack_command(("SUBSCRIBE", self.channel)))
                 await lost
+            except redis.ResponseError as exc:  # refused (an ACL): not asked again for a while
+                pause = PUSH_REFUSED_RETRY_S
+                if str(exc) != self._push_refused:
+                    self._push_refused = str(exc)
+                    log.warning(
+                        "stream hub: Redis refused the push channel %s (%s); streams are relayed "
+                        "by reads alone (allow the channel, `&*` in the user's ACL, to push)",
+                        self.channel,
+                        exc,
+                    )
             except (redis.RedisError, OSError) as exc:
                 log.warning("stream hub: the push channel failed (%s); reading instead", exc)
             except Exception:
                 log.exception("stream hub: the push channel failed; reading instead")
             finally:
+                self.pushing = False
                 self._demote_all()
                 if not lost.done():
                     lost.cancel()
@@ -523,7 +558,7 @@ class StreamHub:
                         await conn.disconnect(nowait=True)
                     with suppress(Exception):
                         await pool.release(conn)
-            await asyncio.sleep(RETRY_S)
+            await asyncio.sleep(pause)
 
     async def _check_pushed(self) -> None:
         """Every PUSH_CHECK_S, the pushed streams read once from their last entries: what no

@@ -133,10 +133,10 @@ async def _enqueue_all(
         jobs = [(gen, where.worker_id) for gen, where in zip(gens, placed, strict=True)]
         # A worker that publishes its events is told this process's channel: its stream is
         # then relayed by push, not by a read re-armed a token (router/relay/stream_hub.py).
-        channel = state.dispatcher.hub.channel
+        hub = state.dispatcher.hub
         for gen, worker_id in jobs:
-            if worker_id and state.catalog.pushes(worker_id):
-                gen.relay_channel = channel
+            if hub.pushing and worker_id and state.catalog.pushes(worker_id):
+                gen.relay_channel = hub.channel
         await state.dispatcher.enqueue_all(jobs)
     except BaseException:
         # None of the request is answered: its choices are cancelled (Redis may have applied
