@@ -10,9 +10,14 @@ feed, taking its events a read at a time and rendering each as an SSE-like chunk
 tokens relayed a second, this process's CPU a token (the writer's is its own), and the hub's
 reads.
 
+`--push on` makes each writer's step one script that also publishes its streams' events to the
+hub's channel, as a worker's step script does for a router that named it
+(`worker.broker.publisher.STEP_LUA`): the hub takes the pushes and reads nothing a token.
+`--push both` measures reads, then pushes, in one run, and prints their ratio.
+
     flock /tmp/mlxcel-bench.lock .venv/bin/python bench/bench_relay_path.py [--quick]
         [--streams 128] [--step-ms 40] [--tokens 4] [--writers 1] [--seconds 6]
-        [--json out.json]
+        [--push off|on|both] [--json out.json]
 
 About 10 s, --quick (a 3 s window) about 6. What bench_routing_scale.py's relay curve adds to
 this is the router around it: HTTP, each request's admission, placement and enqueue, each write
@@ -49,31 +54,70 @@ return 1
 """
 
 
+# One writer's step, pushed: every stream's events appended, then one PUBLISH of them all, in
+# STEP_LUA's message shape ([stream key, the entry before, [[id, [field, event]], ...]] per
+# stream).
+# KEYS: the streams; ARGV: the channel, the event field, events a stream, then the events.
+PUSH_LUA = """
+local ch, fld, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local batch, a = {}, 4
+for k = 1, #KEYS do
+  local before = redis.call('XREVRANGE', KEYS[k], '+', '-', 'COUNT', 1)
+  local entries = {}
+  for i = 1, n do
+    entries[i] = {redis.call('XADD', KEYS[k], '*', fld, ARGV[a]), {fld, ARGV[a]}}
+    a = a + 1
+  end
+  redis.call('EXPIRE', KEYS[k], 600)
+  batch[#batch + 1] = KEYS[k]
+  batch[#batch + 1] = before[1] and before[1][1] or '0-0'
+  batch[#batch + 1] = entries
+end
+redis.call('PUBLISH', ch, cmsgpack.pack(batch))
+return 1
+"""
+
+
 def request_id(i: int) -> str:
     return f"relay-path-{i}"
 
 
-def writer(url: str, streams: int, step_s: float, tokens: int, writers: int) -> None:
+def writer(
+    url: str, streams: int, step_s: float, tokens: int, writers: int, channel: str = ""
+) -> None:
     """Workers' publishes: each of `writers` owns the streams i with i % writers == its number,
-    and every step sends one pipeline, one script call per stream; the writers' steps fall at
-    phases spread over a step, as independent workers' do."""
+    and every step sends one pipeline, one script call per stream (`channel`: one script for all
+    of them that also publishes there); the writers' steps fall at phases spread over a step,
+    as independent workers' do."""
     r = redis.Redis.from_url(url)
     sha = r.script_load(APPEND_LUA)
+    push_sha = r.script_load(PUSH_LUA)
     seq = [0] * streams
     start = time.monotonic()
     due = [start + step_s * w / writers for w in range(writers)]
     while True:
         w = min(range(writers), key=due.__getitem__)
         time.sleep(max(0.0, due[w] - time.monotonic()))
-        with r.pipeline(transaction=False) as pipe:
-            for i in range(w, streams, writers):
-                events = []
-                for _ in range(tokens):
-                    ev = StreamEvent(kind="delta", seq=seq[i], text=" tok", token_ids=[5])
-                    events.append(ev.to_wire())
-                    seq[i] += 1
-                pipe.evalsha(sha, 1, keys.request_stream(request_id(i)), STREAM_FIELD, *events)
-            pipe.execute()
+        owned = range(w, streams, writers)
+        events: dict[int, list[bytes]] = {}
+        for i in owned:
+            events[i] = []
+            for _ in range(tokens):
+                ev = StreamEvent(kind="delta", seq=seq[i], text=" tok", token_ids=[5])
+                events[i].append(ev.to_wire())
+                seq[i] += 1
+        if channel:
+            stream_keys = [keys.request_stream(request_id(i)) for i in owned]
+            all_events = [e for i in owned for e in events[i]]
+            r.evalsha(
+                push_sha, len(stream_keys), *stream_keys, channel, STREAM_FIELD, tokens, *all_events
+            )
+        else:
+            with r.pipeline(transaction=False) as pipe:
+                for i in owned:
+                    stream = keys.request_stream(request_id(i))
+                    pipe.evalsha(sha, 1, stream, STREAM_FIELD, *events[i])
+                pipe.execute()
         due[w] += step_s
 
 
@@ -94,14 +138,15 @@ async def reader(hub: StreamHub, i: int, counts: list[int]) -> None:
         counts[0] += len(batch)
 
 
-async def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
+async def measure(url: str, args: argparse.Namespace, push: bool = False) -> dict[str, Any]:
     hub = StreamHub(RedisConfig(url=url))
     await hub.start()
     counts = [0]
     tasks = [asyncio.create_task(reader(hub, i, counts)) for i in range(args.streams)]
     step_s, n = args.step_ms / 1000, args.streams
+    channel = hub.channel if push else ""
     proc = multiprocessing.get_context("spawn").Process(
-        target=writer, args=(url, n, step_s, args.tokens, args.writers), daemon=True
+        target=writer, args=(url, n, step_s, args.tokens, args.writers, channel), daemon=True
     )
     proc.start()
     try:
@@ -120,6 +165,7 @@ async def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
         await hub.stop()
     relayed, cpu, wall = t1 - t0, c1 - c0, w1 - w0
     return {
+        "push": push,
         "streams": n,
         "writers": args.writers,
         "offered_tok_s": n * args.tokens / step_s,
@@ -138,24 +184,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=4, help="delta events a stream a step")
     p.add_argument("--writers", type=int, default=1, help="workers writing the streams")
     p.add_argument("--seconds", type=float, default=None, help="the window (6; --quick 3)")
+    p.add_argument("--push", choices=("off", "on", "both"), default="off")
     p.add_argument("--quick", action="store_true")
     output_args(p, "write the numbers here", work_dir=False)
     args = p.parse_args(argv)
     args.seconds = args.seconds or (3.0 if args.quick else 6.0)
     machine = announce()
-    server = start_redis()
-    try:
-        out = uvloop.run(measure(server.url, args))
-    finally:
-        server.stop()
-    print(
-        f"{out['streams']} streams from {out['writers']} writer(s), offered "
-        f"{out['offered_tok_s']:.0f} tok/s: relayed "
-        f"{out['relayed_tok_s']:.0f} tok/s at {out['cores']:.3f} cores, "
-        f"{out['us_per_token']:.2f} us a token ({out['tokens_per_cpu_s']:.0f} a CPU-second), "
-        f"{out['reads_s']:.0f} hub reads a second"
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.push]
+    outs = []
+    for push in modes:
+        server = start_redis()  # each mode its own Redis: nothing of the last one left
+        try:
+            out = uvloop.run(measure(server.url, args, push))
+        finally:
+            server.stop()
+        outs.append(out)
+        print(
+            f"{'pushed' if push else 'read'}: {out['streams']} streams from {out['writers']} "
+            f"writer(s), offered {out['offered_tok_s']:.0f} tok/s: relayed "
+            f"{out['relayed_tok_s']:.0f} tok/s at {out['cores']:.3f} cores, "
+            f"{out['us_per_token']:.2f} us a token ({out['tokens_per_cpu_s']:.0f} a CPU-second), "
+            f"{out['reads_s']:.0f} hub reads a second",
+            flush=True,
+        )
+    if len(outs) == 2:
+        print(f"pushed/read CPU a token: {outs[1]['us_per_token'] / outs[0]['us_per_token']:.3f}")
+    write_json(
+        args.json,
+        {"machine": machine, "runs": outs} if len(outs) > 1 else {"machine": machine, **outs[0]},
     )
-    write_json(args.json, {"machine": machine, **out})
     return 0
 
 

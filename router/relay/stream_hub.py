@@ -46,7 +46,6 @@ from router.redis_batch import RedisBatch
 from shared import keys
 from shared.config import RedisConfig
 from shared.redis_clients import async_client
-from shared.wire import STREAM_FIELD
 
 log = logging.getLogger(__name__)
 
@@ -477,16 +476,16 @@ class StreamHub:
     # -- the push channel ---------------------------------------------------------------------
 
     def _on_push(self, data: bytes) -> None:
-        """One worker's step for this process's streams: [stream key, the entry before, [id,
-        event, ...]] per stream. A push with a gap before it puts its stream back in the reads."""
+        """One worker's step for this process's streams: [stream key, the entry before, its
+        entries] per stream, each entry [id, [field, event]] as a read's. A push with a gap
+        before it puts its stream back in the reads."""
         items = msgpack.unpackb(data, raw=True, use_list=True)
         gap = False
         for i in range(0, len(items) - 2, 3):
             sub = self._subs.get(items[i])
-            flat = items[i + 2]
-            if sub is None or not flat:
+            entries = items[i + 2]
+            if sub is None or not entries:
                 continue
-            entries = [[flat[j], [STREAM_FIELD, flat[j + 1]]] for j in range(0, len(flat), 2)]
             if not sub.take_push(items[i + 1], entries) and sub.pushed:
                 # Not named by the read in flight: that read is brought back to name it.
                 sub.pushed = False

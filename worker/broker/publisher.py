@@ -110,9 +110,10 @@ class PublishResult:
 #
 # The events appended to a stream whose request names a push channel (its router's stream hub,
 # shared.keys.router_push) also go to that channel, one PUBLISH a channel a step:
-# cmsgpack of [stream key, the id of the entry before them ('0-0': none), [id, event, ...]] per
-# stream. The stream stays the record; the hub takes a push only where it follows what it has
-# read (the entry before it is its last), so the push spares it re-arming a read a token.
+# cmsgpack of [stream key, the id of the entry before them ('0-0': none), entries] per stream,
+# each entry [id, [field, event]] as XREAD answers it. The stream stays the record; the hub
+# takes a push only where it follows what it has read (the entry before it is its last), so the
+# push spares it re-arming a read a token.
 STEP_LUA = (
     APPEND_LUA
     + """
@@ -136,8 +137,7 @@ for _ = 1, ns do
       end
       local entries = {}
       for i = 1, n do
-        entries[2 * i - 1] = ids[i]
-        entries[2 * i] = ARGV[a + 2 + i]
+        entries[i] = {ids[i], {fld, ARGV[a + 2 + i]}}
       end
       batch[#batch + 1] = KEYS[k]
       batch[#batch + 1] = before[1] and before[1][1] or '0-0'
