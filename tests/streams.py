@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from typing import Any
@@ -17,10 +18,22 @@ from shared.wire import (
     MsgpackSerializer,
     StreamEvent,
 )
+from worker.broker.intake import RqIntake, own_queues
+from worker.broker.presence import WorkerPresence
+from worker.broker.publisher import Publisher
 
 # The tests' workers serve the tiny model: its shared queue is where a test plays the router.
 TINY_MODEL = "mlxcel-tiny-s0"  # the tiny dev model's id: the one place the tests spell it
 SHARED_QUEUE = keys.model_queue_name(TINY_MODEL)
+
+
+def worker_broker(r: redis.Redis, worker_id: str) -> tuple[Publisher, RqIntake]:
+    """A registered worker's Redis side, no engine: its publisher and its intake."""
+    info = {"worker_id": worker_id, "model": TINY_MODEL, "pid": str(os.getpid()), "host": "h"}
+    presence = WorkerPresence(r, worker_id, own_queues(r, worker_id, TINY_MODEL), info)
+    presence.arrive({})
+    intake = RqIntake(presence)
+    return Publisher(presence, intake), intake
 
 
 def enqueue(

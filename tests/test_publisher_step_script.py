@@ -3,7 +3,6 @@ EVALSHA do what the per-stream scripts, HINCRBYs, EXISTS, MGET, LPOP and LLENs d
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -12,9 +11,8 @@ import redis
 
 from shared import keys
 from shared.wire import STREAM_FIELD, ControlCommand, StreamEvent
-from tests.streams import SHARED_QUEUE, TINY_MODEL, enqueue
-from worker.broker.intake import JobEnd, JobOutcome, RqIntake, TakenJob, own_queues
-from worker.broker.presence import WorkerPresence
+from tests.streams import SHARED_QUEUE, enqueue, worker_broker
+from worker.broker.intake import JobEnd, JobOutcome, RqIntake, TakenJob
 from worker.broker.publisher import STEP_SHA, Liveness, Publisher, StepWrites
 
 WID = "w-step"
@@ -23,11 +21,7 @@ WID = "w-step"
 @pytest.fixture
 def rig(redis_url: str) -> tuple[redis.Redis, Publisher, RqIntake]:
     r = redis.Redis.from_url(redis_url)
-    info = {"worker_id": WID, "model": TINY_MODEL, "pid": str(os.getpid()), "host": "h"}
-    presence = WorkerPresence(r, WID, own_queues(r, WID, TINY_MODEL), info)
-    presence.arrive({})
-    intake = RqIntake(presence)
-    return r, Publisher(presence, intake), intake
+    return (r, *worker_broker(r, WID))
 
 
 def _take(r: redis.Redis, intake: RqIntake, n: int) -> list[TakenJob]:

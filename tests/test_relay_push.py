@@ -6,7 +6,6 @@ otherwise (a gap, an entry written without a push)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -20,7 +19,7 @@ from router.relay.stream_hub import PUSH_CHECK_S, Feed, StreamHub
 from shared import keys
 from shared.config import RedisConfig
 from shared.wire import STREAM_FIELD, StreamEvent
-from tests.streams import TINY_MODEL, enqueue
+from tests.streams import TINY_MODEL, enqueue, worker_broker
 from worker.broker.intake import RqIntake, TakenJob, own_queues
 from worker.broker.presence import WorkerPresence
 from worker.broker.publisher import Publisher, StepWrites
@@ -31,10 +30,7 @@ WID = "w-push"
 @pytest.fixture
 def rig(redis_url: str) -> tuple[redis.Redis, Publisher, RqIntake]:
     r = redis.Redis.from_url(redis_url)
-    info = {"worker_id": WID, "model": TINY_MODEL, "pid": str(os.getpid()), "host": "h"}
-    presence = WorkerPresence(r, WID, own_queues(r, WID, TINY_MODEL), info)
-    presence.arrive({})
-    return r, Publisher(presence, RqIntake(presence)), RqIntake(presence)
+    return (r, *worker_broker(r, WID))
 
 
 def _events(seq: int, n: int) -> list[bytes]:
@@ -58,6 +54,12 @@ def _run(rig: Any, redis_url: str, body: Any) -> Any:
         hub = StreamHub(RedisConfig(url=redis_url))
         await hub.start()
         try:
+            # Subscribed first, as a router names its channel only then (a push published
+            # before the subscription reaches Redis goes to no one).
+            deadline = time.monotonic() + 10
+            while not hub.pushing:
+                assert time.monotonic() < deadline, "the push channel was never subscribed"
+                await asyncio.sleep(0.01)
             enqueue(r, [1, 2, 3], queue=keys.worker_queue_name(WID), relay_channel=hub.channel)
             (taken,) = await asyncio.to_thread(intake.take, 1, None)
             assert taken.request is not None and taken.request.relay_channel == hub.channel
