@@ -429,16 +429,8 @@ class StreamHub:
                 if self._gather is not None:
                     self._gather.cancel()
                     self._gather = None
-                if not lost.done():  # the abort's own connection_lost is no news to anyone
-                    lost.cancel()
-                if self._transport is not None:
-                    self._transport.abort()
-                    self._transport = None
-                if conn is not None:
-                    with suppress(Exception):
-                        await conn.disconnect(nowait=True)
-                    with suppress(Exception):
-                        await pool.release(conn)
+                transport, self._transport = self._transport, None
+                await _let_go(pool, conn, transport, lost)
             await asyncio.sleep(RETRY_S)
 
     async def _watch(self, lost: asyncio.Future[None]) -> None:
@@ -548,15 +540,7 @@ class StreamHub:
             finally:
                 self.pushing = False
                 self._demote_all()
-                if not lost.done():
-                    lost.cancel()
-                if transport is not None:
-                    transport.abort()
-                if conn is not None:
-                    with suppress(Exception):
-                        await conn.disconnect(nowait=True)
-                    with suppress(Exception):
-                        await pool.release(conn)
+                await _let_go(pool, conn, transport, lost)
             await asyncio.sleep(pause)
 
     async def _check_pushed(self) -> None:
@@ -583,6 +567,21 @@ class StreamHub:
                 sub.pushed = False
             if missed:
                 self._bring_back_soon()
+
+
+async def _let_go(
+    pool: Any, conn: Any, transport: asyncio.Transport | None, lost: asyncio.Future[None]
+) -> None:
+    """A connection the hub took over, closed and given back to its pool."""
+    if not lost.done():  # the abort's own connection_lost is no news to anyone
+        lost.cancel()
+    if transport is not None:
+        transport.abort()
+    if conn is not None:
+        with suppress(Exception):
+            await conn.disconnect(nowait=True)
+        with suppress(Exception):
+            await pool.release(conn)
 
 
 def _retrieved(future: asyncio.Future[Any]) -> None:
