@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import redis
 
-from mlxcel_pool.redis_server import EmbeddedRedis
+from mlxcel_pool.redis_server import POOL_COMMANDS, POOL_COMMANDS_7, EmbeddedRedis
 from router.relay.event_decode import decode_entry
 from router.relay.stream_hub import PUSH_CHECK_S, Feed, StreamHub
 from shared import keys
@@ -199,10 +199,11 @@ def no_channels(redis_server: EmbeddedRedis) -> Iterator[str]:
     """A URL of a Redis user with the pool's commands and keys but no pub/sub channel (Redis 7's
     default for a new user, `resetchannels`)."""
     admin = redis.Redis.from_url(redis_server.admin_url)
+    major = int(str(admin.info("server")["redis_version"]).split(".")[0])
+    commands = (POOL_COMMANDS_7 if major >= 7 else POOL_COMMANDS).split()
     admin.execute_command(
-        "ACL", "SETUSER", "nochan", "on", ">nochan-pw", "~*", "resetchannels", "+@all",
-        "-@dangerous", "+info", "+client|setname", "+client|list", "+client|setinfo",
-    )  # fmt: skip
+        "ACL", "SETUSER", "nochan", "on", ">nochan-pw", "~*", "resetchannels", *commands
+    )
     try:
         yield f"redis://nochan:nochan-pw@{redis_server.host}:{redis_server.port}"
     finally:
