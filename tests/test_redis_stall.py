@@ -30,7 +30,9 @@ from shared.config import RedisConfig
 from shared.redis_clients import sync_client
 from shared.wire import STREAM_FIELD, StreamEvent
 from tests.pool_fixture import running_pool, sse_events
-from tests.streams import SHARED_QUEUE
+from tests.streams import SHARED_QUEUE, enqueue, worker_broker
+from worker.broker.intake import TakenJob
+from worker.broker.publisher import StepWrites
 
 pytestmark = pytest.mark.pool  # starts processes: left out of `make test-fast`
 
@@ -130,6 +132,55 @@ def test_the_stream_hub_gives_up_a_read_stalled_past_the_bound_and_reads_on(
     with caplog.at_level("WARNING", logger="router.relay.stream_hub"):
         assert asyncio.run(asyncio.wait_for(run(), 60)) == [0, 1, 2, 3]
     assert any("no reply to XREAD" in rec.getMessage() for rec in caplog.records)
+
+
+def test_the_stream_hub_replaces_a_push_channel_stalled_past_the_bound_and_pushes_on(
+    own_redis: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The push connection is PINGed as the reads are watched: one Redis leaves unanswered past
+    the stall bound is dropped (a host gone without a word would leave the hub subscribed to
+    nothing) and the hub subscribes again; the stream, pushed before and after, arrives whole."""
+    monkeypatch.setattr(stream_hub, "STALL_CHECK_S", 0.2)
+    r = redis.Redis.from_url(own_redis.url)
+    publisher, intake = worker_broker(r, "w-push-stall")
+
+    def step(taken: TakenJob, seq: int) -> None:
+        event = StreamEvent(kind="delta", seq=seq, text=f"t{seq}").to_wire()
+        publisher.publish(
+            StepWrites(streams=[(taken, [event])], ongoing={taken.id} if seq else set())
+        )
+
+    async def subscribed(hub: StreamHub) -> None:
+        while not hub.pushing:
+            await asyncio.sleep(0.01)
+
+    async def run() -> tuple[list[int], bool]:
+        hub = StreamHub(RedisConfig(url=own_redis.url, stall_timeout_s=1.0))
+        await hub.start()
+        try:
+            await asyncio.wait_for(subscribed(hub), 10)
+            queue = keys.worker_queue_name("w-push-stall")
+            enqueue(r, [1, 2, 3], queue=queue, relay_channel=hub.channel)
+            (taken,) = await asyncio.to_thread(intake.take, 1, None)
+            stream = keys.request_stream(taken.id)
+            feed = await hub.subscribe(stream)
+            got: list[int] = []
+            for seq in range(4):
+                if seq == 2:
+                    await asyncio.to_thread(_pause, own_redis.process.pid, 3.0)
+                    await asyncio.wait_for(subscribed(hub), 20)
+                await asyncio.to_thread(step, taken, seq)
+                while len(got) < seq + 1:
+                    assert await feed.wait(30.0)
+                    got += [decode_entry(f).seq for _, f in feed.take()]
+            return got, hub._subs[stream.encode()].pushed
+        finally:
+            await hub.stop()
+
+    with caplog.at_level("WARNING", logger="router.relay.stream_hub"):
+        got, pushed = asyncio.run(asyncio.wait_for(run(), 60))
+    assert (got, pushed) == ([0, 1, 2, 3], True)
+    assert any("answered nothing" in rec.getMessage() for rec in caplog.records)
 
 
 def _pause(pid: int, seconds: float) -> None:

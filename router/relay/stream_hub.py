@@ -15,7 +15,8 @@ them. A push that follows what the hub has of its stream (that entry is its last
 the stream is left out of the reads from then on: a token costs no read re-armed, no write of the
 router's and no wake-up of Redis's. Anything else falls back to the reads, which resume from the
 last entry taken: a push with a gap before it, a lost push channel (every stream goes back to
-them), and what a look every PUSH_CHECK_S finds in a pushed stream beyond its last entry (an
+them; one that leaves a PING unanswered past the stall bound is dropped and subscribed again),
+and what a look every PUSH_CHECK_S finds in a pushed stream beyond its last entry (an
 entry written without a push). Each stream's entries reach its feed once and in order, whichever
 way they came: an entry at or before the last one taken is dropped.
 
@@ -244,7 +245,8 @@ class _ReadProtocol(asyncio.Protocol):
 
 class _PushProtocol(_ReadProtocol):
     """The push channel's connection: each message to `on_message`, the subscription's
-    confirmation to `on_subscribed`."""
+    confirmation to `on_subscribed`; `heard` is when Redis last said anything on it (a message,
+    the confirmation, the answer to a PING)."""
 
     def __init__(
         self,
@@ -255,9 +257,12 @@ class _PushProtocol(_ReadProtocol):
         super().__init__(self._on_push_reply, lost)
         self._on_message = on_message
         self._on_subscribed = on_subscribed
+        self.heard = asyncio.get_running_loop().time()
 
     def _on_push_reply(self, reply: Any) -> None:
-        # RESP2 and RESP3 alike: [b"message", channel, data], [b"subscribe", channel, count].
+        self.heard = asyncio.get_running_loop().time()
+        # RESP2 and RESP3 alike: [b"message", channel, data], [b"subscribe", channel, count]
+        # (a PING's answer in subscribed mode is [b"pong", b""]).
         if isinstance(reply, list) and len(reply) == 3:
             if reply[0] == b"message":
                 self._on_message(reply[2])
@@ -520,9 +525,10 @@ class StreamHub:
             try:
                 conn = await pool.get_connection()
                 transport = conn._writer.transport
-                transport.set_protocol(_PushProtocol(self._on_push, self._subscribed, lost))
+                protocol = _PushProtocol(self._on_push, self._subscribed, lost)
+                transport.set_protocol(protocol)
                 transport.write(hiredis.pack_command(("SUBSCRIBE", self.channel)))
-                await lost
+                await self._watch_push(transport, protocol, lost)
             except redis.ResponseError as exc:  # refused (an ACL): not asked again for a while
                 pause = PUSH_REFUSED_RETRY_S
                 if str(exc) != self._push_refused:
@@ -542,6 +548,25 @@ class StreamHub:
                 self._demote_all()
                 await _let_go(pool, conn, transport, lost)
             await asyncio.sleep(pause)
+
+    async def _watch_push(
+        self, transport: asyncio.Transport, protocol: _PushProtocol, lost: asyncio.Future[None]
+    ) -> None:
+        """Until the push connection is lost (its error raised here), a PING on it every
+        STALL_CHECK_S; one that Redis left unanswered past the stall bound ends the connection,
+        as a stalled read does (a host gone without a word would otherwise leave the hub
+        subscribed to nothing, naming its channel to workers whose pushes reach no one)."""
+        loop = asyncio.get_running_loop()
+        bound = STALL_CHECK_S + self._stall_s
+        ping = hiredis.pack_command(("PING",))
+        while True:
+            done, _ = await asyncio.wait([lost], timeout=STALL_CHECK_S)
+            if done:
+                lost.result()
+                return
+            if loop.time() - protocol.heard > bound:
+                raise redis.TimeoutError(f"the push channel answered nothing in {bound:g}s")
+            transport.write(ping)
 
     async def _check_pushed(self) -> None:
         """Every PUSH_CHECK_S, the pushed streams read once from their last entries: what no
