@@ -173,11 +173,11 @@ class Engine:
         )
 
     def generator(self, max_tokens: int) -> Any:
-        """A BatchGenerator configured as the worker's engine makes its own."""
-        from mlx_lm.generate import BatchGenerator
+        """A BatchGenerator of the class and configuration the worker's engine makes its own."""
+        from worker.engine.first_token import generator_class
 
         c = self.cfg
-        return BatchGenerator(
+        return generator_class()(
             self.model,
             max_tokens=max_tokens,
             stop_tokens=[[t] for t in self.eos],

@@ -15,9 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_lm.generate import BatchGenerator
-
 from shared.config import WorkerConfig
+from worker.engine.first_token import generator_class
 from worker.mlx_cpu.idle_memory import release_idle_memory
 
 log = logging.getLogger("mlxcel.worker")
@@ -71,7 +70,7 @@ def generate(
     """Greedy tokens of each prompt, decoded `batch` at a time the way the engine's generator
     decodes them (worker/engine/engine.py `_new_generator`); no stop tokens, so every sequence
     yields exactly NEW_TOKENS."""
-    gen = BatchGenerator(
+    gen = generator_class()(
         model,
         max_tokens=NEW_TOKENS,
         completion_batch_size=batch,

@@ -32,6 +32,7 @@ from shared.config import WorkerConfig
 from shared.errors import ErrorKind
 from shared.wire import GenerationRequest, StreamEvent
 from worker.engine.admission import AdmissionError, check_admissible
+from worker.engine.first_token import generator_class
 from worker.engine.grammar import GrammarError, GrammarTokenizer
 from worker.engine.grammar_compile import GrammarCompiler, GrammarWaits
 from worker.engine.request import Request, RequestStatus
@@ -119,7 +120,7 @@ class Engine:
         self.gen = self._new_generator()
 
     def _new_generator(self) -> BatchGenerator:
-        return BatchGenerator(
+        return generator_class()(
             self.model,
             max_tokens=self.config.default_max_tokens,
             stop_tokens=[[t] for t in sorted(self._eos)],
