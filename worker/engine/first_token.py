@@ -1,9 +1,9 @@
 """A lone batch's first tokens in the step its prompts end, where MLX computes on the CPU.
 
 mlx-lm's generation batch runs a pass ahead: a step feeds the tokens sampled the step before,
-starts the next forward pass with `mx.async_eval`, and only then returns the tokens it fed. On
-a GPU that overlaps the host's work with the device's. On MLX's CPU stream `async_eval` waits
-while more than a hundred tasks are queued, so it returns near the end of the pass, and a
+starts the next forward pass with `mx.async_eval`, and only then returns the tokens it fed,
+which is meant to overlap the host's work with a device's. On MLX's CPU stream `async_eval`
+returns only once about a hundred tasks are left queued, for a decode pass near its end, so a
 sequence's first token reaches the engine one whole pass after it was computed.
 
 Here a batch that joins an empty generation batch (a lone request, or a burst that starts
@@ -62,11 +62,11 @@ class _FirstTokenBatch(GenerationBatch):
     step's responses (the first tokens; any sequence they end has left the batch, as in any
     step) wait in `joined` until the generator's step hands them on."""
 
-    joined: list[GenerationBatch.Response]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.joined: list[GenerationBatch.Response] = []
+        super().__init__(*args, **kwargs)
 
     def extend(self, batch: GenerationBatch) -> None:
-        if not hasattr(self, "joined"):
-            self.joined = []
         if batch.uids and not self.uids:
             with _passes_built_not_started():
                 self.joined += batch.next()
@@ -85,9 +85,9 @@ class FirstTokenBatchGenerator(BatchGenerator):
     def _next(self) -> tuple[list[Any], list[Any]]:
         prompt_responses, generation_responses = super()._next()
         batch = self._generation_batch
-        joined = getattr(batch, "joined", None)
+        assert isinstance(batch, _FirstTokenBatch)
+        joined, batch.joined = batch.joined, []
         if joined:
-            batch.joined = []
             self._counters.generation_tokens += len(joined)
             if not generation_responses:  # nothing decoded before they joined: a step uncounted
                 self._counters.generation_steps += 1
