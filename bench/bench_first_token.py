@@ -1,13 +1,13 @@
-"""A batch's first token in the step its prompt ends (worker/engine/first_token.py) against
+"""A sequence's first token in the step its prompt ends (worker/engine/first_token.py) against
 mlx-lm's BatchGenerator, in this process, on the same model object, with no Redis or HTTP.
 
 Each side keeps C sequences running (closed loop: one that ends is replaced at once) until
 `--requests` have run: distinct ~64-token prompts, greedy, max_tokens drawn once from 32..96
-(the same prompts and lengths on both sides). At one stream every request starts alone, which
-is what the change is for; at 4 and 16 most requests join sequences that are decoding, where
-both sides run mlx-lm's way. Printed, medians over the rounds (the sides' order alternating
-each round): a request's time to its first token and to its last (from its insert), tokens a
-second, each as the change's over mlx-lm's, and whether every request's tokens were the same.
+(the same prompts and lengths on both sides). At one stream every request starts alone; at 4
+and 16 the first C start together and the rest join sequences that are decoding. Printed,
+medians over the rounds (the sides' order alternating each round): a request's time to its
+first token and to its last (from its insert), tokens a second, each as the change's over
+mlx-lm's, and whether every request's tokens were the same.
 
     flock /tmp/mlxcel-bench.lock .venv/bin/python bench/bench_first_token.py [--quick]
         [--concurrency 1,4,16] [--requests 24] [--repeats 3] [--json out.json]
