@@ -3,7 +3,7 @@
 mlx-lm's generation batch runs a pass ahead: a step feeds the tokens sampled the step before,
 starts the next forward pass with `mx.async_eval`, and only then returns the tokens it fed,
 which is meant to overlap the host's work with a device's. On MLX's CPU stream `async_eval`
-returns only once about a hundred tasks are left queued, for a decode pass near its end, so a
+returns only near the end of the work it was given (bench/README.md, bench_first_token), so a
 sequence's first token reached the engine a whole step after it was computed: after the next
 decode pass, and after any prefill that step also ran.
 
