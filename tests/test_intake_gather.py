@@ -12,8 +12,9 @@ import pytest
 import redis
 
 from shared import keys
+from shared.wire import GenerationRequest
 from tests.intake_rig import registered_intake
-from tests.streams import enqueue
+from tests.streams import enqueue, enqueue_raw
 from worker.broker import intake as intake_module
 from worker.broker.intake import RqIntake
 
@@ -77,3 +78,29 @@ def test_a_placed_request_taken_by_the_gathers_own_look_is_not_waited_for(rig: A
     more = intake.gather(4, window_s=2 * GAP_S, held={taken.id})
     assert [j.id for j in more] == [queued]
     assert time.monotonic() - started < GAP_S / 2
+
+
+def test_a_burst_ends_once_every_placed_request_is_in_hand(rig: Any) -> None:
+    """It waited for the placed request that had not come; once that came, nothing placed is
+    still on its way, so it starts at once instead of waiting for a pause in arrivals."""
+    r, intake = rig
+    first = enqueue(r, [1, 2, 3], queue=_own())
+    (taken,) = intake.take(4, None)
+    coming = "c0ffee"  # placed by a router that has not enqueued it yet
+    r.hset(keys.worker_prefill(WID), mapping={first: 3, coming: 3})
+
+    def enqueue_later() -> None:
+        time.sleep(0.3)
+        enqueue_raw(r, coming, {"request": _request(coming).to_wire()}, _own())
+
+    thread = threading.Thread(target=enqueue_later)
+    started = time.monotonic()
+    thread.start()
+    more = intake.gather(4, window_s=2 * GAP_S, held={taken.id})
+    thread.join()
+    assert [j.id for j in more] == [coming]  # taken when it came
+    assert 0.3 <= time.monotonic() - started < GAP_S / 2  # it waited for it, and no longer
+
+
+def _request(rid: str) -> GenerationRequest:
+    return GenerationRequest(request_id=rid, model="m", prompt_tokens=[7, 8, 9], max_tokens=8)

@@ -41,7 +41,9 @@ log = logging.getLogger("mlxcel.worker.intake")
 RESULT_TTL_S = keys.JOB_RESULT_TTL_S
 FAILURE_TTL_S = keys.JOB_FAILURE_TTL_S
 # A burst's jobs arrive a few ms apart (the router tokenizes and enqueues each): a pause this long
-# ends the burst.
+# ends the burst while a request placed on this worker has not come (its enqueue failed, or a
+# router died between placing and enqueueing it). One whose placed requests are all in hand ends
+# at once.
 GATHER_GAP_S = 0.008
 
 # A job taken off its queue whose start never landed goes back to the front of that queue, in
@@ -350,32 +352,36 @@ class RqIntake:
         return self._start(taken) if taken else []
 
     def gather(self, max_jobs: int, window_s: float, held: set[str]) -> list[TakenJob]:
-        """Take the jobs of a burst still arriving, until it pauses (GATHER_GAP_S) or the window
-        ends, so they prefill as one batch with what was just admitted. A burst is on its way
-        only while a router has placed on this worker a request it does not hold yet (`held`:
-        the ids it runs); otherwise what is queued now is taken and nothing is waited for: a
-        lone request (a single user's) starts at once. A request's other choices are not in
-        the placements: one that comes a step late starts from its group-mate's computed prompt
-        (worker/engine/shared_prompt.py), as any late group-mate does. The first look takes
-        what is queued and reads the placements in one round trip."""
+        """Take the jobs of a burst still arriving, so they prefill as one batch with what was
+        just admitted. A burst is on its way only while a router has placed on this worker a
+        request it does not hold yet (`held`: the ids it runs); otherwise what is queued now is
+        taken and nothing is waited for: a lone request (a single user's) starts at once, and
+        a burst stops being gathered once every placed request is in hand. A request's other
+        choices are not in the placements: one that comes a step late starts from its
+        group-mate's computed prompt (worker/engine/shared_prompt.py), as any late group-mate
+        does. Every look takes what is queued and reads the placements in one round trip."""
         if max_jobs <= 0 or window_s <= 0:
             return []
         taken, placed = self._look(max_jobs, placements=True)
         held = held | {job.id for job, _ in taken}
         if len(taken) < max_jobs and any(rid not in held for rid in placed):
-            taken = self._take_more(taken, max_jobs, window_s)
+            taken = self._take_more(taken, max_jobs, window_s, held)
         return self._start(taken) if taken else []
 
     def _take_more(
-        self, taken: list[tuple[Job, Queue]], max_jobs: int, window_s: float
+        self, taken: list[tuple[Job, Queue]], max_jobs: int, window_s: float, held: set[str]
     ) -> list[tuple[Job, Queue]]:
-        """What arrives until a pause of GATHER_GAP_S or the window's end, a look a ms."""
+        """What arrives, a look a ms, until every placed request is in hand, the arrivals
+        pause for GATHER_GAP_S (a placement whose job never comes) or the window ends."""
         deadline = time.monotonic() + window_s
         quiet_until = time.monotonic() + min(GATHER_GAP_S, window_s)
         while len(taken) < max_jobs:
-            got, _ = self._look(max_jobs - len(taken))
+            got, placed = self._look(max_jobs - len(taken), placements=True)
             now = time.monotonic()
             taken += got
+            held = held | {job.id for job, _ in got}
+            if all(rid in held for rid in placed):
+                break
             if got:
                 quiet_until = now + GATHER_GAP_S
             elif now >= min(deadline, quiet_until):
