@@ -14,12 +14,17 @@ import logging
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
-from shared.config import PromptCacheConfig
-from shared.reject import REJECT_REASONS
-from worker.prompt_cache.counters import CacheCounters
-from worker.prompt_cache.policy import PromptCache
-from worker.prompt_cache.trace import LOGGER_NAME
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # `python bench/x.py` puts bench/ first, not the repo root
+    sys.path.insert(0, str(REPO))
+
+from shared.config import PromptCacheConfig  # noqa: E402
+from shared.reject import REJECT_REASONS  # noqa: E402
+from worker.prompt_cache.counters import CacheCounters  # noqa: E402
+from worker.prompt_cache.policy import PromptCache  # noqa: E402
+from worker.prompt_cache.trace import LOGGER_NAME  # noqa: E402
 
 GOAL_NS = 2000
 

@@ -21,13 +21,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from worker.mlx_cpu import blas
+# Before the first import of the pool's code: `python bench/x.py` puts bench/ first, not the repo
+# root, and the editable install would answer with the checkout it was made from (a worktree's
+# benchmark would run another tree's worker code in its own process).
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from worker.mlx_cpu import blas  # noqa: E402
 
 blas.preload_openblas()  # before anything below imports mlx
-
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # `python bench/x.py` puts bench/ first, not the repo root
-    sys.path.insert(0, str(REPO))
 
 import aiohttp  # noqa: E402
 import httpx  # noqa: E402
