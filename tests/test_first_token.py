@@ -1,6 +1,6 @@
 """worker/engine/first_token.py: on the CPU a sequence's first token comes in the step its prompt
-ends, and every token comes at the same step as mlx-lm's own generator gives it, or sooner, the
-same token, over the same passes."""
+ends, two steps before mlx-lm's own generator gives it, and every other token a step before
+mlx-lm's: the same tokens, over the same passes."""
 
 from __future__ import annotations
 
@@ -89,35 +89,36 @@ def _compare(
     return ours, theirs
 
 
-def _first_sooner(ours: list[tuple[int, int]], theirs: list[tuple[int, int]]) -> None:
-    """The same tokens; the first a step sooner, every other at mlx-lm's step."""
+def _sooner(ours: list[tuple[int, int]], theirs: list[tuple[int, int]]) -> None:
+    """The same tokens; the first two steps sooner (in the step its prompt ends), every other
+    a step sooner (the sequence joined the generation batch a step sooner)."""
     assert [t for _, t in ours] == [t for _, t in theirs]
-    assert ours[0][0] == theirs[0][0] - 1
-    assert ours[1:] == theirs[1:]
+    assert ours[0][0] == theirs[0][0] - 2
+    assert [i for i, _ in ours[1:]] == [i - 1 for i, _ in theirs[1:]]
 
 
 def test_a_lone_prompt_gets_its_first_token_in_the_step_that_ends_it(model: Any) -> None:
     ours, theirs = _compare(model, {0: [(PROMPT_A, 6)]})
     ((uid, tokens),) = theirs.items()
     assert len(tokens) == 6
-    _first_sooner(ours[uid], tokens)
+    _sooner(ours[uid], tokens)
 
 
 def test_a_burst_starting_together_gets_its_first_tokens_sooner(model: Any) -> None:
     ours, theirs = _compare(model, {0: [(PROMPT_A, 5), (PROMPT_B, 5)]})
     for uid in theirs:
-        _first_sooner(ours[uid], theirs[uid])
+        _sooner(ours[uid], theirs[uid])
 
 
 @pytest.mark.parametrize("joins_at", range(1, 9))
 def test_a_prompt_joining_at_any_step(model: Any, joins_at: int) -> None:
     """B joins A decoding, or in the step A's last token ends it (the batch empty again), or
-    after: both get their first token a step sooner and the rest at mlx-lm's steps; mlx-lm's
+    after: both get their first token two steps sooner and the rest a step sooner; mlx-lm's
     decode steps, and each token counted once."""
     plan = {0: [(PROMPT_A, 4)], joins_at: [(PROMPT_B, 3)]}
     ours, theirs = _compare(model, plan)
     for uid in theirs:
-        _first_sooner(ours[uid], theirs[uid])
+        _sooner(ours[uid], theirs[uid])
     stats = []
     for cls in (FirstTokenBatchGenerator, BatchGenerator):
         gen = _gen(cls, model)
@@ -132,30 +133,54 @@ def test_a_first_token_that_ends_its_sequence(model: Any) -> None:
     """max_tokens 1, and a first token that is a stop token: the sequence ends in the step its
     prompt ends, with a KV cache of its prompt and the prompt's tokens (the token that ended it
     was never fed), alone or beside a sequence that decodes on unchanged; and the generator
-    serves the next prompt as mlx-lm's does."""
+    serves the next prompt as it serves any."""
     (first,) = _run(_gen(BatchGenerator, model), {0: [(PROMPT_A, 1)]}, steps=4)[2]
     for stop_tokens, reason in (([], "length"), ([[first.token]], "stop")):
         max_tokens = 1 if reason == "length" else 8
         gen = _gen(FirstTokenBatchGenerator, model, stop_tokens)
         steps = _run(gen, {0: [(PROMPT_A, max_tokens)]}, steps=3)
-        (r,) = steps[1]
+        (r,) = steps[0]
         assert (r.token, r.finish_reason) == (first.token, reason)
         assert r.all_tokens == PROMPT_A and r.prompt_cache[0].offset == len(PROMPT_A)
-        assert steps[2] == [] and len(gen._generation_batch) == 0
+        assert steps[1:] == [[], []] and len(gen._generation_batch) == 0
         plan = {0: [(PROMPT_B, 4)]}
         again = _arrivals(_run(gen, plan, steps=8))
         plain = _arrivals(_run(_gen(BatchGenerator, model, stop_tokens), plan))
-        assert list(again.values())[0][1:] == list(plain.values())[0][1:]
-        # Beside B decoding: A ends as it joins, B's tokens as mlx-lm gives them.
+        _sooner(list(again.values())[0], list(plain.values())[0])
+        # Beside B decoding: A ends as it joins; B's tokens come as they do alone.
         plan = {0: [(PROMPT_B, 10)], 3: [(PROMPT_A, max_tokens)]}
         ours, theirs = _compare(model, plan, stop_tokens)
         uid_b, uid_a = sorted(theirs)
-        _first_sooner(ours[uid_a], theirs[uid_a])
-        _first_sooner(ours[uid_b], theirs[uid_b])
+        _sooner(ours[uid_a], theirs[uid_a])
+        _sooner(ours[uid_b], theirs[uid_b])
         assert len(ours[uid_a]) == 1
 
 
 def test_the_first_tokens_logprobs_are_mlx_lms(model: Any) -> None:
-    ours = _run(_gen(FirstTokenBatchGenerator, model), {0: [(PROMPT_A, 3)]}, steps=3)[1]
+    ours = _run(_gen(FirstTokenBatchGenerator, model), {0: [(PROMPT_A, 3)]}, steps=3)[0]
     theirs = _run(_gen(BatchGenerator, model), {0: [(PROMPT_A, 3)]}, steps=3)[2]
     assert mx.allclose(ours[0].logprobs, theirs[0].logprobs).item()
+
+
+def test_the_state_at_the_prompts_end_is_still_there_in_the_step_it_joins(model: Any) -> None:
+    """In the step a prompt's prefill ends (and, here, its sequence joins the generation batch
+    and gets its first token), extract_cache gives what mlx-lm's gives in that step: the KV of
+    the prompt but its last token, and those tokens (the engine's prefill checkpoint and its
+    group-mates' copies are taken from it); the step after, the sequence's own state."""
+    caches, tokens = [], []
+    for cls in (FirstTokenBatchGenerator, BatchGenerator):
+        gen = _gen(cls, model)
+        (uid,) = gen.insert([PROMPT_A], max_tokens=[8])
+        gen.next()
+        layers, held = gen.extract_cache([uid])[uid]
+        caches.append(layers)
+        tokens.append(held)
+        if cls is FirstTokenBatchGenerator:
+            gen.next()
+            later, later_tokens = gen.extract_cache([uid])[uid]
+            # Its prompt and its first token, fed by that step.
+            assert later_tokens[:-1] == PROMPT_A and later[0].offset == len(PROMPT_A) + 1
+    assert tokens[0] == tokens[1] == PROMPT_A[:-1]
+    assert caches[0][0].offset == caches[1][0].offset == len(PROMPT_A) - 1
+    for ours, theirs in zip(caches[0], caches[1], strict=True):
+        assert mx.allclose(ours.state[0], theirs.state[0]).item()

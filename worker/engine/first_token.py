@@ -7,11 +7,17 @@ returns only near the end of the work it was given (bench/README.md, bench_first
 sequence's first token reached the engine a whole step after it was computed: after the next
 decode pass, and after any prefill that step also ran.
 
-Here the first tokens of a batch that joins the generation batch are read as it joins (its
+mlx-lm also holds a prompt's last token back from its prefill and moves the sequence into the
+generation batch (a pass over that token, which samples the first) only at the start of the next
+step, after that step's decode pass: a step late again.
+
+Here a sequence joins the generation batch in the step its prefill ends (mlx-lm's own split,
+run at that step's end), and the first tokens of a batch that joins are read as it joins (its
 sampling pass was started when mlx-lm built it) and returned in that step, ending the
 sequences they end as mlx-lm's next step would have: by max_tokens or a stop sequence. The
 rest join; the step that feeds them their first token returns it again, and that return is
-dropped. No pass is added or moved, and every token reaches the engine no later than before.
+dropped. No pass is added: a sequence's first token comes two steps sooner than mlx-lm's and
+every other token one step sooner, the same tokens.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import copy
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, GenerationBatch
+from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 
 
 class _FirstTokenBatch(GenerationBatch):
@@ -71,12 +77,17 @@ class FirstTokenBatchGenerator(BatchGenerator):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._generation_batch = _FirstTokenBatch.empty(self.model, self.sampler)
+        # uid -> (caches, tokens) at the prompt's end, its last token aside, of the sequences
+        # that joined the generation batch in this step (see extract_cache).
+        self._prompt_ends: dict[int, tuple[list[Any], list[int]]] = {}
 
     def _next(self) -> tuple[list[Any], list[Any]]:
         batch = self._generation_batch
         assert isinstance(batch, _FirstTokenBatch)
         again, batch.fed = batch.fed, set()  # fed in this step: their first tokens come back
+        self._prompt_ends = {}
         prompt_responses, generation_responses = super()._next()
+        prompt_responses += self._start_ended_prompts()
         if again:
             kept = [r for r in generation_responses if r.uid not in again]
             self._counters.generation_tokens -= len(generation_responses) - len(kept)
@@ -86,6 +97,47 @@ class FirstTokenBatchGenerator(BatchGenerator):
             self._counters.generation_tokens += len(first)
             generation_responses = [*generation_responses, *first]
         return prompt_responses, generation_responses
+
+    def _start_ended_prompts(self) -> list[PromptProcessingBatch.Response]:
+        """The sequences this step's prefill left with their last token alone join the
+        generation batch now, as mlx-lm's next step would have them join before anything else
+        (its split, word for word): their first tokens come in this step, not after the next
+        step's decode pass and prefill. Their prompt-end responses come with this step's."""
+        split = [
+            i
+            for i, seq in enumerate(self._currently_processing)
+            if len(seq[0]) == 1 and len(seq[0][0]) == 1
+        ]
+        if not split or len(self._generation_batch) >= self.completion_batch_size:
+            return []
+        chosen = set(split)
+        batch = self._prompt_batch
+        self._prompt_ends = {
+            batch.uids[i]: (batch.extract_cache(i), list(batch.tokens[i])) for i in split
+        }
+        last_inputs = [self._currently_processing[i][0][0] for i in split]
+        progress = [(self._currently_processing[i][2],) * 2 for i in split]
+        self._currently_processing = [
+            seq for i, seq in enumerate(self._currently_processing) if i not in chosen
+        ]
+        gen_batch = batch.split(split).generate(last_inputs)
+        responses = [
+            PromptProcessingBatch.Response(gen_batch.uids[i], p, True, True)
+            for i, p in enumerate(progress)
+        ]
+        self._generation_batch.extend(gen_batch)
+        return responses
+
+    def extract_cache(self, uids: Any) -> dict[int, Any]:
+        """mlx-lm's, but a sequence that joined the generation batch in this step answers, until
+        the next step, with its state where mlx-lm's would still hold it in this step: at the
+        prompt's end but its last token (what the engine keeps as a prefill checkpoint and
+        copies for a request's group-mates, whatever the cache's kind)."""
+        found = super().extract_cache(uids)
+        for uid in uids:
+            if uid in self._prompt_ends:
+                found[uid] = self._prompt_ends[uid]
+        return found
 
 
 def generator_class() -> type[BatchGenerator]:
