@@ -78,7 +78,8 @@ class FirstTokenBatchGenerator(BatchGenerator):
         super().__init__(*args, **kwargs)
         self._generation_batch = _FirstTokenBatch.empty(self.model, self.sampler)
         # uid -> (caches, tokens) at the prompt's end, its last token aside, of the sequences
-        # that joined the generation batch in this step (see extract_cache).
+        # that joined the generation batch in this step (see extract_cache): lazy slices of the
+        # prompt batch's arrays, which they keep alive until the next step.
         self._prompt_ends: dict[int, tuple[list[Any], list[int]]] = {}
 
     def _next(self) -> tuple[list[Any], list[Any]]:
