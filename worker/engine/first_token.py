@@ -17,7 +17,9 @@ sampling pass was started when mlx-lm built it) and returned in that step, endin
 sequences they end as mlx-lm's next step would have: by max_tokens or a stop sequence. The
 rest join; the step that feeds them their first token returns it again, and that return is
 dropped. No pass is added: a sequence's first token comes two steps sooner than mlx-lm's and
-every other token one step sooner, the same tokens.
+every other token one step sooner, the same tokens. A lone cold prompt that fits one prefill
+chunk, with nothing else to run, is prefilled with its last token and sampled from that pass:
+a pass fewer.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
+from mlx_lm.models.cache import KVCache
+
+from worker.mlx_cpu.last_logits import last_logits
 
 
 class _FirstTokenBatch(GenerationBatch):
@@ -81,12 +86,18 @@ class FirstTokenBatchGenerator(BatchGenerator):
         # that joined the generation batch in this step (see extract_cache): lazy slices of the
         # prompt batch's arrays, which they keep alive until the next step.
         self._prompt_ends: dict[int, tuple[list[Any], list[int]]] = {}
+        self.folded = 0  # lone prompts prefilled with their last token (a pass fewer each)
 
     def _next(self) -> tuple[list[Any], list[Any]]:
         batch = self._generation_batch
         assert isinstance(batch, _FirstTokenBatch)
         again, batch.fed = batch.fed, set()  # fed in this step: their first tokens come back
         self._prompt_ends = {}
+        folded = self._fold_lone_prompt()
+        if folded:  # nothing else ran: the generation batch was empty, no other prompt waited
+            first, batch.first = batch.first, []
+            self._counters.generation_tokens += len(first)
+            return folded, first
         prompt_responses, generation_responses = super()._next()
         prompt_responses += self._start_ended_prompts()
         if again:
@@ -129,6 +140,58 @@ class FirstTokenBatchGenerator(BatchGenerator):
         self._generation_batch.extend(gen_batch)
         return responses
 
+    def _fold_lone_prompt(self) -> list[PromptProcessingBatch.Response]:
+        """A lone cold prompt, with nothing decoding and nothing else waiting, that fits one
+        prefill chunk: one pass over all of it, its last token included, and its first token
+        sampled from that pass's last row, instead of mlx-lm's prefill of all but the last
+        token and a pass of its own over that one. The sequence joins the generation batch as
+        mlx-lm's split makes it (the same sampler, processors and stop rules; its first step
+        given the pass's logits), and the responses are those mlx-lm's two steps give: the
+        prefill's end of segment, then the prompt's end. Only plain KV caches: their state at
+        the prompt's end but its last token is a slice (extract_cache)."""
+        if len(self._generation_batch) or len(self._prompt_batch):
+            return []
+        if len(self._unprocessed_sequences) != 1:
+            return []
+        _, segments, _, caches, cached, *_ = self._unprocessed_sequences[0]
+        if (
+            cached
+            or len(segments) != 2
+            or len(segments[1]) != 1
+            or len(segments[0]) + 1 > self.prefill_step_size
+            or any(type(c) is not KVCache or c.offset for c in caches)
+        ):
+            return []
+        batch = self._make_batch(1)
+        seq = self._currently_processing.pop()
+        head, last = seq[0]
+        total = seq[2]
+        batch.tokens[0] += head  # what the KV holds but the last token (the first step adds it)
+        self._counters.prompt_tokens += len(head)
+        logits = last_logits(self.model, mx.array([head + last]), batch.prompt_cache)
+        held = [_without_last(c.extract(0)) for c in batch.prompt_cache]
+        joining = GenerationBatch(
+            _Given(logits),
+            batch.uids,
+            mx.array(last),
+            batch.prompt_cache,
+            batch.tokens,
+            batch.samplers,
+            batch.fallback_sampler,
+            batch.logits_processors,
+            batch.stop_sequences,
+            batch.max_tokens,
+        )
+        joining.model = self.model
+        uid = joining.uids[0]
+        self._prompt_ends = {uid: (held, list(head))}
+        self._generation_batch.extend(joining)
+        self.folded += 1
+        return [
+            PromptProcessingBatch.Response(uid, (total - 1, total), True, False),
+            PromptProcessingBatch.Response(uid, (total, total), True, True),
+        ]
+
     def extract_cache(self, uids: Any) -> dict[int, Any]:
         """mlx-lm's, but a sequence that joined the generation batch in this step answers, until
         the next step, with its state where mlx-lm's would still hold it in this step: at the
@@ -139,6 +202,25 @@ class FirstTokenBatchGenerator(BatchGenerator):
             if uid in self._prompt_ends:
                 found[uid] = self._prompt_ends[uid]
         return found
+
+
+class _Given:
+    """A joining batch's model for its first step only: the logits a pass already computed
+    (the KV cache holds that pass's tokens)."""
+
+    def __init__(self, logits: mx.array) -> None:
+        self._logits = logits
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        return self._logits[:, None, :]
+
+
+def _without_last(layer: KVCache) -> KVCache:
+    """The layer's KV but its last position."""
+    out = KVCache()
+    out.keys, out.values = layer.keys[..., :-1, :], layer.values[..., :-1, :]
+    out.offset = layer.offset - 1
+    return out
 
 
 def generator_class() -> type[BatchGenerator]:
