@@ -31,6 +31,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 from mlx_lm.models.cache import KVCache
 
+from worker.engine.shared_prompt import prompt_kv_copies
 from worker.mlx_cpu.last_logits import last_logits
 
 
@@ -169,7 +170,8 @@ class FirstTokenBatchGenerator(BatchGenerator):
         batch.tokens[0] += head  # what the KV holds but the last token (the first step adds it)
         self._counters.prompt_tokens += len(head)
         logits = last_logits(self.model, mx.array([head + last]), batch.prompt_cache)
-        held = [_without_last(c.extract(0)) for c in batch.prompt_cache]
+        held = prompt_kv_copies([c.extract(0) for c in batch.prompt_cache], len(head), 1)
+        assert held is not None  # plain KV caches, holding the whole prompt
         joining = GenerationBatch(
             _Given(logits),
             batch.uids,
@@ -184,7 +186,7 @@ class FirstTokenBatchGenerator(BatchGenerator):
         )
         joining.model = self.model
         uid = joining.uids[0]
-        self._prompt_ends = {uid: (held, list(head))}
+        self._prompt_ends = {uid: (held[0], list(head))}
         self._generation_batch.extend(joining)
         self.folded += 1
         return [
@@ -213,14 +215,6 @@ class _Given:
 
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
         return self._logits[:, None, :]
-
-
-def _without_last(layer: KVCache) -> KVCache:
-    """The layer's KV but its last position."""
-    out = KVCache()
-    out.keys, out.values = layer.keys[..., :-1, :], layer.values[..., :-1, :]
-    out.offset = layer.offset - 1
-    return out
 
 
 def generator_class() -> type[BatchGenerator]:
