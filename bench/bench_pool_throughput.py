@@ -530,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
         f"OFF (MLXCEL_PROMPT_CACHE_ENABLED=false); router processes={args.router_processes}, "
         "workers=1"
     )
-    print(f"# mlx_lm.server: its defaults {SERVER_DEFAULTS}")
+    print(f"# mlx_lm.server: its defaults {SERVER_DEFAULTS}; OpenBLAS gemm for every product")
     print(f"# sampling {args.sampling}: " + "; then ".join(s.describe() for s in samplings))
     load = Load(chat=args.load == "chat", stream=not args.no_stream)
     print(f"# load: {load.describe()}")

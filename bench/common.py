@@ -260,7 +260,7 @@ def _server_code(model_dir: Path, port: int, extra: Sequence[str]) -> str:
         *extra,
     ]
     return (
-        "from worker.mlx_cpu import blas; blas.preload_openblas(); import sys; "
+        "from worker.mlx_cpu import blas; blas.preload_openblas(gemv_rows=0); import sys; "
         "from mlx_lm.server import main; "
         f"sys.argv = {argv!r}; main()"
     )
@@ -284,7 +284,8 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: floa
 
 @contextmanager
 def mlx_lm_server(model_dir: Path, extra: Sequence[str] = ()) -> Iterator[str]:
-    """`mlx_lm.server` in a subprocess (OpenBLAS preloaded); yields its base URL."""
+    """`mlx_lm.server` in a subprocess (OpenBLAS preloaded, none of the worker's CPU paths: its
+    few-row products stay on OpenBLAS's gemm); yields its base URL."""
     port = free_port()
     log = Path(tempfile.mkstemp(prefix="mlx_lm_server-", suffix=".log")[1])
     cmd = [sys.executable, "-c", _server_code(model_dir, port, extra)]
@@ -362,7 +363,7 @@ def machine_line() -> str:
     gflops = blas.measure_matmul_gflops()
     return (
         f"{time.strftime('%Y-%m-%d %H:%M')}  cores={os.cpu_count()}  cpu={cpu}  "
-        f"blas={info.backend} ({gflops:.0f} GFLOPS f32 matmul)"
+        f"blas={info.backend} ({gflops:.0f} GFLOPS f32 matmul, gemv up to {info.gemv_rows} rows)"
     )
 
 
