@@ -260,7 +260,8 @@ def _server_code(model_dir: Path, port: int, extra: Sequence[str]) -> str:
         *extra,
     ]
     return (
-        "from worker.mlx_cpu import blas; blas.preload_openblas(gemv_rows=0); import sys; "
+        "from worker.mlx_cpu import blas; blas.preload_openblas(gemv_rows=0, gemm_pad=0); "
+        "import sys; "
         "from mlx_lm.server import main; "
         f"sys.argv = {argv!r}; main()"
     )
@@ -284,8 +285,8 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: floa
 
 @contextmanager
 def mlx_lm_server(model_dir: Path, extra: Sequence[str] = ()) -> Iterator[str]:
-    """`mlx_lm.server` in a subprocess (OpenBLAS preloaded, none of the worker's CPU paths: its
-    few-row products stay on OpenBLAS's gemm); yields its base URL."""
+    """`mlx_lm.server` in a subprocess (OpenBLAS preloaded, none of the worker's CPU paths: every
+    product goes to OpenBLAS's gemm as it is); yields its base URL."""
     port = free_port()
     log = Path(tempfile.mkstemp(prefix="mlx_lm_server-", suffix=".log")[1])
     cmd = [sys.executable, "-c", _server_code(model_dir, port, extra)]
@@ -363,7 +364,8 @@ def machine_line() -> str:
     gflops = blas.measure_matmul_gflops()
     return (
         f"{time.strftime('%Y-%m-%d %H:%M')}  cores={os.cpu_count()}  cpu={cpu}  "
-        f"blas={info.backend} ({gflops:.0f} GFLOPS f32 matmul, gemv up to {info.gemv_rows} rows)"
+        f"blas={info.backend} ({gflops:.0f} GFLOPS f32 matmul, gemv up to {info.gemv_rows} "
+        f"rows, gemm padded to {info.gemm_pad})"
     )
 
 

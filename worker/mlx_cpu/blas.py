@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from worker.mlx_cpu import row_gemv
+from worker.mlx_cpu import sgemm_rows
 
 ENV_OVERRIDE = "MLXCEL_OPENBLAS_PATH"
 MIN_GFLOPS = 20.0
@@ -50,8 +50,9 @@ class BlasInfo:
     backend: str  # "openblas", "accelerate" or "reference"
     error: str | None = None  # why loading failed, when it did
     gflops: float | None = None  # filled in by report()
-    gemv_rows: int = 0  # products of up to this many rows go to gemv (row_gemv; 0: none)
-    gemv_error: str | None = None  # why that path is off when it was asked for
+    gemv_rows: int = 0  # products of up to this many rows go to gemv (sgemm_rows; 0: none)
+    gemm_pad: int = 0  # others padded to a multiple of this many rows (sgemm_rows; 0: none)
+    sgemm_rows_error: str | None = None  # why those paths are off when they were asked for
 
 
 _info: BlasInfo | None = None
@@ -90,7 +91,7 @@ THREAD_TIMEOUT_ENV = "OPENBLAS_THREAD_TIMEOUT"
 THREAD_TIMEOUT_DEFAULT = "20"
 
 
-def _try_load(gemv_rows: int) -> BlasInfo:
+def _try_load(gemv_rows: int, gemm_pad: int) -> BlasInfo:
     os.environ.setdefault(THREAD_TIMEOUT_ENV, THREAD_TIMEOUT_DEFAULT)
     errors: list[str] = []
     for lib in _candidates():
@@ -98,10 +99,10 @@ def _try_load(gemv_rows: int) -> BlasInfo:
             continue
         try:
             _load_gfortran(lib)
-            # Loaded locally first: row_gemv's cblas_sgemm must enter the global scope before
+            # Loaded locally first: sgemm_rows's cblas_sgemm must enter the global scope before
             # OpenBLAS's does, or MLX would resolve the name to OpenBLAS.
             handle = ctypes.CDLL(str(lib), mode=os.RTLD_LOCAL)
-            gemv = row_gemv.interpose(handle, gemv_rows)
+            rows = sgemm_rows.interpose(handle, gemv_rows, gemm_pad)
             ctypes.CDLL(str(lib), mode=os.RTLD_GLOBAL)
         except OSError as exc:
             errors.append(f"{lib}: {exc}")
@@ -110,18 +111,20 @@ def _try_load(gemv_rows: int) -> BlasInfo:
             path=str(lib),
             too_late=False,
             backend="openblas",
-            gemv_rows=gemv.rows,
-            gemv_error=gemv.error,
+            gemv_rows=rows.rows,
+            gemm_pad=rows.pad,
+            sgemm_rows_error=rows.error,
         )
     error = "; ".join(errors) if errors else "no OpenBLAS library found"
     return BlasInfo(path=None, too_late=False, backend="reference", error=error)
 
 
-def preload_openblas(gemv_rows: int | None = None) -> BlasInfo:
+def preload_openblas(gemv_rows: int | None = None, gemm_pad: int | None = None) -> BlasInfo:
     """Load OpenBLAS globally before mlx is imported. Idempotent; never raises.
 
-    `gemv_rows`: products of up to this many rows go to OpenBLAS's gemv (`row_gemv`; 0: none);
-    None reads `MLXCEL_GEMV_ROWS`.
+    `gemv_rows`: products of up to this many rows go to OpenBLAS's gemv; `gemm_pad`: others
+    padded to a multiple of this many rows (`sgemm_rows`; 0: none). None reads
+    `MLXCEL_GEMV_ROWS` and `MLXCEL_GEMM_PAD`.
     """
     global _info
     if _info is not None:
@@ -138,8 +141,9 @@ def preload_openblas(gemv_rows: int | None = None) -> BlasInfo:
                 error="mlx.core was imported before preload_openblas()",
             )
         else:
-            rows = row_gemv.configured_rows() if gemv_rows is None else max(0, gemv_rows)
-            _info = _try_load(rows)
+            rows = sgemm_rows.configured_rows() if gemv_rows is None else max(0, gemv_rows)
+            pad = sgemm_rows.configured_pad() if gemm_pad is None else max(0, gemm_pad)
+            _info = _try_load(rows, pad)
     except Exception as exc:  # a failed preload must never break startup
         _info = BlasInfo(path=None, too_late=False, backend="reference", error=repr(exc))
     return _info
@@ -191,10 +195,14 @@ def report(logger: logging.Logger) -> BlasInfo:
     info = replace(info, gflops=gflops)
     where = f" ({info.path})" if info.path else ""
     logger.info("BLAS: %s%s, float32 matmul %.1f GFLOPS", info.backend, where, gflops)
-    if info.gemv_rows:
-        logger.info("BLAS: products of up to %d rows go to gemv (row_gemv)", info.gemv_rows)
-    elif info.gemv_error:
-        logger.warning("BLAS: few-row products stay on gemm: %s", info.gemv_error)
+    if info.gemv_rows or info.gemm_pad:
+        logger.info(
+            "BLAS: products of up to %d rows go to gemv, others padded to a multiple of %d rows",
+            info.gemv_rows,
+            info.gemm_pad,
+        )
+    elif info.sgemm_rows_error:
+        logger.warning("BLAS: every product goes to gemm as it is: %s", info.sgemm_rows_error)
     if info.backend != "accelerate" and (info.path is None or gflops < MIN_GFLOPS):
         logger.warning("\n".join(_warning_lines(info, gflops)))
     return info

@@ -1,0 +1,137 @@
+"""A decode step with its products routed by row count (worker/mlx_cpu/sgemm_rows.py: few rows
+on OpenBLAS's gemv, awkward counts padded to gemm's tile) against OpenBLAS's gemm for every
+product, by batch size: what `MLXCEL_GEMV_ROWS` and `MLXCEL_GEMM_PAD` buy, and their defaults.
+
+Each side is a fresh process (the routing is chosen before mlx loads) that preloads OpenBLAS
+with a `--sides` entry ROWS/PAD (0/0: gemm for every product, as mlx_lm.server runs), loads the
+bench model with the worker's CPU ops, prefills `--context` random tokens for B sequences and
+times `--steps` decode steps of one token each (the model's forward and its eval, no sampling).
+The sides alternate, their order rotated each round. Printed: median ms a step per side and
+batch, each over the gemm side's, and the products a step that went to gemv or were padded.
+
+    flock /tmp/mlxcel-bench.lock .venv/bin/python bench/bench_sgemm_rows.py [--quick]
+        [--batches 1,2,4,8,12,16,24,40] [--sides 0/0,8/0,8/16] [--context 64] [--steps 30]
+        [--repeats 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+from common import REPO, announce, bench_model_dir, median, output_args, ratio, table, write_json
+
+STEP_CODE = """
+import json, sys, time
+from worker.mlx_cpu import blas, sgemm_rows
+rows, pad = (int(v) for v in sys.argv[2].split("/"))
+info = blas.preload_openblas(gemv_rows=rows, gemm_pad=pad)
+import mlx.core as mx
+import numpy as np
+from mlx_lm import load
+from mlx_lm.models.cache import make_prompt_cache
+from worker.mlx_cpu import cpu_ops
+model, _ = load(sys.argv[1])
+cpu_ops.install(model)
+context, steps = int(sys.argv[3]), int(sys.argv[4])
+out = {"side": f"{info.gemv_rows}/{info.gemm_pad}", "error": info.sgemm_rows_error, "ms": {},
+       "gemv": {}, "padded": {}}
+for batch in json.loads(sys.argv[5]):
+    rng = np.random.default_rng(batch)
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array(rng.integers(5, 8000, size=(batch, context))), cache=cache))
+    token = mx.array(rng.integers(5, 8000, size=(batch, 1)))
+    for _ in range(3):
+        mx.eval(model(token, cache=cache))
+    gemv, padded = sgemm_rows.gemv_products(), sgemm_rows.padded_products()
+    start = time.perf_counter()
+    for _ in range(steps):
+        mx.eval(model(token, cache=cache))
+    out["ms"][str(batch)] = (time.perf_counter() - start) / steps * 1e3
+    out["gemv"][str(batch)] = (sgemm_rows.gemv_products() - gemv) / steps
+    out["padded"][str(batch)] = (sgemm_rows.padded_products() - padded) / steps
+print(json.dumps(out))
+"""
+
+
+def run_side(side: str, batches: list[int], context: int, steps: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            STEP_CODE,
+            str(bench_model_dir()),
+            side,
+            str(context),
+            str(steps),
+            json.dumps(batches),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--quick", action="store_true", help="batches 1, 4, 12; sides 0/0, 8/16; 2 rounds"
+    )
+    p.add_argument("--batches", default="1,2,4,8,12,16,24,40")
+    p.add_argument(
+        "--sides", default="0/0,8/0,8/16", help="ROWS/PAD: MLXCEL_GEMV_ROWS, MLXCEL_GEMM_PAD"
+    )
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--repeats", type=int, default=3)
+    output_args(p, "write every side's run here", work_dir=False)
+    args = p.parse_args()
+    batches = [1, 4, 12] if args.quick else [int(b) for b in args.batches.split(",")]
+    sides = ["0/0", "8/16"] if args.quick else args.sides.split(",")
+    repeats = 2 if args.quick else args.repeats
+    if "0/0" not in sides:
+        sides = ["0/0", *sides]
+    announce()
+    print(f"# bench model, {args.context}-token context, {args.steps} decode steps a batch")
+    runs: dict[str, list[dict]] = {side: [] for side in sides}
+    for rnd in range(repeats):
+        order = sides[rnd % len(sides) :] + sides[: rnd % len(sides)]
+        for side in order:
+            result = run_side(side, batches, args.context, args.steps)
+            if result["side"] != side:
+                print(f"  side {side}: ran as {result['side']} ({result['error']})")
+            runs[side].append(result)
+            steps_ms = "  ".join(f"B{b} {result['ms'][str(b)]:6.2f}" for b in batches)
+            print(f"  round {rnd + 1} side {side}: ms a step  {steps_ms}", flush=True)
+    others = [side for side in sides if side != "0/0"]
+    headers = ["batch", "gemm ms", *(f"{side} ms" for side in others)]
+    headers += [f"{side}/gemm" for side in others]
+    headers += [f"{side} gemv · padded a step" for side in others]
+    lines = []
+    summary: dict[str, dict[str, float]] = {}
+    for b in batches:
+        ms = {side: median([run["ms"][str(b)] for run in runs[side]]) for side in sides}
+        row: list[object] = [b, *(f"{ms[side]:.2f}" for side in sides)]
+        row += [f"{ratio(ms[side], ms['0/0']):.3f}" for side in others]
+        row += [
+            f"{runs[side][0]['gemv'][str(b)]:.0f} · {runs[side][0]['padded'][str(b)]:.0f}"
+            for side in others
+        ]
+        lines.append(row)
+        summary[str(b)] = ms
+    print(table(headers, lines))
+    print("(medians over the rounds; a ratio under 1 is a faster step)")
+    write_json(args.json, {"runs": runs, "median_ms": summary})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
