@@ -51,7 +51,7 @@ class BlasInfo:
     error: str | None = None  # why loading failed, when it did
     gflops: float | None = None  # filled in by report()
     gemv_rows: int = 0  # products of up to this many rows go to gemv (sgemm_rows; 0: none)
-    gemm_pad: int = 0  # others padded to a multiple of this many rows (sgemm_rows; 0: none)
+    gemm_pad: int = 0  # awkward row counts padded to a multiple of this (sgemm_rows; 0: none)
     sgemm_rows_error: str | None = None  # why those paths are off when they were asked for
 
 
@@ -122,9 +122,9 @@ def _try_load(gemv_rows: int, gemm_pad: int) -> BlasInfo:
 def preload_openblas(gemv_rows: int | None = None, gemm_pad: int | None = None) -> BlasInfo:
     """Load OpenBLAS globally before mlx is imported. Idempotent; never raises.
 
-    `gemv_rows`: products of up to this many rows go to OpenBLAS's gemv; `gemm_pad`: others
-    padded to a multiple of this many rows (`sgemm_rows`; 0: none). None reads
-    `MLXCEL_GEMV_ROWS` and `MLXCEL_GEMM_PAD`.
+    `gemv_rows`: products of up to this many rows go to OpenBLAS's gemv; `gemm_pad`: products
+    of fewer than 64 rows at least half this many past a multiple of it are padded to it
+    (`sgemm_rows`; 0: neither). None reads `MLXCEL_GEMV_ROWS` and `MLXCEL_GEMM_PAD`.
     """
     global _info
     if _info is not None:
@@ -141,8 +141,8 @@ def preload_openblas(gemv_rows: int | None = None, gemm_pad: int | None = None) 
                 error="mlx.core was imported before preload_openblas()",
             )
         else:
-            rows = sgemm_rows.configured_rows() if gemv_rows is None else max(0, gemv_rows)
-            pad = sgemm_rows.configured_pad() if gemm_pad is None else max(0, gemm_pad)
+            rows = sgemm_rows.configured_rows() if gemv_rows is None else gemv_rows
+            pad = sgemm_rows.configured_pad() if gemm_pad is None else gemm_pad
             _info = _try_load(rows, pad)
     except Exception as exc:  # a failed preload must never break startup
         _info = BlasInfo(path=None, too_late=False, backend="reference", error=repr(exc))
@@ -197,7 +197,8 @@ def report(logger: logging.Logger) -> BlasInfo:
     logger.info("BLAS: %s%s, float32 matmul %.1f GFLOPS", info.backend, where, gflops)
     if info.gemv_rows or info.gemm_pad:
         logger.info(
-            "BLAS: products of up to %d rows go to gemv, others padded to a multiple of %d rows",
+            "BLAS: products of up to %d rows go to gemv; under 64 rows, a count half a tile "
+            "past a multiple of %d is padded to it",
             info.gemv_rows,
             info.gemm_pad,
         )

@@ -6,8 +6,9 @@ sequence), for which gemm packs the whole weight matrix on every call while gemv
 and a row count just short of a multiple of 16, whose edge tiles make 12 rows slower than 16.
 `sgemm_rows.c` puts a `cblas_sgemm` ahead of OpenBLAS's in the process's global symbol scope
 that sends products of up to `MLXCEL_GEMV_ROWS` rows to OpenBLAS's `cblas_sgemv`, a row at a
-time, pads those at least half a tile past a multiple of `MLXCEL_GEMM_PAD` rows with zero rows
-to that multiple, and sends the rest to OpenBLAS's gemm (bench/README.md has the figures).
+time; pads those of fewer than 64 rows at least half a tile past a multiple of
+`MLXCEL_GEMM_PAD` rows with zero rows to that multiple; and sends the rest to OpenBLAS's gemm
+(bench/README.md has the figures).
 
 `interpose(openblas, rows, pad)` builds the library with the system C compiler (`$CC`, else
 `cc`) into `<MLXCEL_CACHE_DIR>/native/`, once per source and compiler, binds it to the OpenBLAS
