@@ -6,12 +6,14 @@ Each side is a fresh process (the routing is chosen before mlx loads) that prelo
 with a `--sides` entry ROWS/PAD (0/0: gemm for every product, as mlx_lm.server runs), loads the
 bench model with the worker's CPU ops, prefills `--context` random tokens for B sequences and
 times `--steps` decode steps of one token each (the model's forward and its eval, no sampling).
+Then it prefills one prompt of each `--prefill` length, to its last logits as the worker does.
 The sides alternate, their order rotated each round. Printed: median ms a step per side and
-batch, each over the gemm side's, and the products a step that went to gemv or were padded.
+batch, each over the gemm side's, the products a step that went to gemv or were padded, and the
+prefills' median ms.
 
     flock /tmp/mlxcel-bench.lock .venv/bin/python bench/bench_sgemm_rows.py [--quick]
-        [--batches 1,2,4,8,12,16,24,40] [--sides 0/0,8/0,8/16] [--context 64] [--steps 30]
-        [--repeats 3] [--json out.json]
+        [--batches 1,2,4,8,12,16,24,40] [--prefill 6,12,24,40,64] [--sides 0/0,8/0,8/16]
+        [--context 64] [--steps 30] [--repeats 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import sys
 
 from common import REPO, announce, bench_model_dir, median, output_args, ratio, table, write_json
 
+# A prompt's prefill is timed this many times a side (fresh cache each), its median kept.
+PREFILL_REPEATS = 7
 STEP_CODE = """
 import json, sys, time
 from worker.mlx_cpu import blas, sgemm_rows
@@ -53,11 +57,22 @@ for batch in json.loads(sys.argv[5]):
     out["ms"][str(batch)] = (time.perf_counter() - start) / steps * 1e3
     out["gemv"][str(batch)] = (sgemm_rows.gemv_products() - gemv) / steps
     out["padded"][str(batch)] = (sgemm_rows.padded_products() - padded) / steps
+from worker.mlx_cpu.last_logits import last_logits
+out["prefill_ms"] = {}
+for length in json.loads(sys.argv[6]):
+    prompt = mx.array(np.random.default_rng(length).integers(5, 8000, size=(1, length)))
+    times = []
+    for _ in range(int(sys.argv[7])):
+        cache = make_prompt_cache(model)
+        start = time.perf_counter()
+        mx.eval(last_logits(model, prompt, cache))
+        times.append(time.perf_counter() - start)
+    out["prefill_ms"][str(length)] = sorted(times)[len(times) // 2] * 1e3
 print(json.dumps(out))
 """
 
 
-def run_side(side: str, batches: list[int], context: int, steps: int) -> dict:
+def run_side(side: str, batches: list[int], context: int, steps: int, prefill: list[int]) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run(
         [
@@ -69,6 +84,8 @@ def run_side(side: str, batches: list[int], context: int, steps: int) -> dict:
             str(context),
             str(steps),
             json.dumps(batches),
+            json.dumps(prefill),
+            str(PREFILL_REPEATS),
         ],
         cwd=REPO,
         env=env,
@@ -89,12 +106,14 @@ def main() -> int:
     p.add_argument(
         "--sides", default="0/0,8/0,8/16", help="ROWS/PAD: MLXCEL_GEMV_ROWS, MLXCEL_GEMM_PAD"
     )
+    p.add_argument("--prefill", default="6,12,24,40,64", help="one prompt's lengths, prefilled")
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--repeats", type=int, default=3)
     output_args(p, "write every side's run here", work_dir=False)
     args = p.parse_args()
     batches = [1, 4, 12] if args.quick else [int(b) for b in args.batches.split(",")]
+    prefill = [12, 40] if args.quick else [int(n) for n in args.prefill.split(",")]
     sides = ["0/0", "8/16"] if args.quick else args.sides.split(",")
     repeats = 2 if args.quick else args.repeats
     if "0/0" not in sides:
@@ -105,7 +124,7 @@ def main() -> int:
     for rnd in range(repeats):
         order = sides[rnd % len(sides) :] + sides[: rnd % len(sides)]
         for side in order:
-            result = run_side(side, batches, args.context, args.steps)
+            result = run_side(side, batches, args.context, args.steps, prefill)
             if result["side"] != side:
                 print(f"  side {side}: ran as {result['side']} ({result['error']})")
             runs[side].append(result)
@@ -129,6 +148,21 @@ def main() -> int:
         summary[str(b)] = ms
     print(table(headers, lines))
     print("(medians over the rounds; a ratio under 1 is a faster step)")
+    lines = []
+    for n in prefill:
+        ms = {side: median([run["prefill_ms"][str(n)] for run in runs[side]]) for side in sides}
+        lines.append([n, *(f"{ms[side]:.2f}" for side in sides)])
+        lines[-1] += [f"{ratio(ms[side], ms['0/0']):.3f}" for side in others]
+        summary[f"prefill {n}"] = ms
+    print(
+        table(
+            ["prompt tokens", "gemm ms", *(f"{side} ms" for side in others)]
+            + [f"{side}/gemm" for side in others],
+            lines,
+        )
+    )
+    print(f"(one prompt's prefill to its last logits, median of {PREFILL_REPEATS} a round, then")
+    print(" of the rounds)")
     write_json(args.json, {"runs": runs, "median_ms": summary})
     return 0
 
