@@ -194,3 +194,33 @@ def test_settings_read_counts_and_turn_off_on_nonsense(monkeypatch: pytest.Monke
     monkeypatch.setenv(sgemm_rows.ROWS_ENV, "lots")
     monkeypatch.setenv(sgemm_rows.PAD_ENV, "-3")
     assert (sgemm_rows.configured_rows(), sgemm_rows.configured_pad()) == (0, 0)
+
+
+REPORT = """
+import logging
+from worker.mlx_cpu import blas
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+blas.report(logging.getLogger("t"))
+"""
+
+
+def _report_logs(**env: str) -> str:
+    drop = ("MLXCEL_GEMV_ROWS", "MLXCEL_GEMM_PAD", "CC")
+    base = {k: v for k, v in os.environ.items() if k not in drop}
+    return subprocess.run(
+        [sys.executable, "-c", REPORT],
+        cwd=REPO,
+        env={**base, "PYTHONPATH": str(REPO), **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stderr
+
+
+@needs_openblas
+def test_the_worker_s_blas_report_names_both_paths_or_why_not() -> None:
+    logs = _report_logs()
+    assert "up to 8 rows go to gemv" in logs and "multiple of 16 is padded" in logs
+    off = _report_logs(CC="/nonexistent/cc")
+    assert "WARNING BLAS: every product goes to gemm as it is: no C compiler" in off
