@@ -6,10 +6,10 @@
  *  - a row count just short of a multiple of 16: gemm's edge tiles make 12 rows slower than 16.
  * This library is loaded ahead of OpenBLAS in the process's global symbol scope. Its cblas_sgemm
  * sends a row-major product of at most `gemv_rows` rows to OpenBLAS's cblas_sgemv, a row at a
- * time; pads one whose row count is at least half a tile past a multiple of `pad_to` with zero
- * rows to that multiple (copying A in and C out); and sends everything else to OpenBLAS's
- * cblas_sgemm unchanged. Built and loaded by sgemm_rows.py, which binds it before it makes it
- * global: unbound, it would call nothing. */
+ * time; pads one of fewer than PAD_MAX_ROWS rows, A not transposed, whose row count is at least
+ * half a tile past a multiple of `pad_to`, with zero rows to that multiple (copying A in and C
+ * out); and sends everything else to OpenBLAS's cblas_sgemm unchanged. Built and loaded by
+ * sgemm_rows.py, which binds it before it makes it global: unbound, it would call nothing. */
 #include <dlfcn.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,7 +37,7 @@ static __thread float *pad_a, *pad_c;
 static __thread long pad_a_cap, pad_c_cap;
 
 /* Bind to the OpenBLAS library `handle` (from dlopen): products of up to `rows` rows go to its
- * gemv (0: none), others padded to a multiple of `pad` rows (0: none). Returns 1 when both
+ * gemv (0: none), awkward row counts are padded to a multiple of `pad` rows (0: none). Returns 1 when both
  * functions were found, else 0 (nothing changes). */
 int mlxcel_sgemm_bind(void *handle, int rows, int pad) {
   sgemm_fn gemm = (sgemm_fn)dlsym(handle, "cblas_sgemm");
