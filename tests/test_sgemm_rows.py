@@ -146,11 +146,13 @@ print(json.dumps(out))
 """
 
 
-def _decode(model_dir: Path, **env: str) -> dict[str, object]:
+def _run(code: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """`code` in a fresh interpreter (the routing is chosen before mlx loads), with `env` over
+    this process's environment less the settings under test."""
     drop = ("MLXCEL_GEMV_ROWS", "MLXCEL_GEMM_PAD", "CC")
     base = {k: v for k, v in os.environ.items() if k not in drop}
-    done = subprocess.run(
-        [sys.executable, "-c", DECODE_STEP, str(model_dir)],
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
         cwd=REPO,
         env={**base, "PYTHONPATH": str(REPO), **env},
         capture_output=True,
@@ -158,7 +160,10 @@ def _decode(model_dir: Path, **env: str) -> dict[str, object]:
         timeout=180,
         check=True,
     )
-    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _decode(model_dir: Path, **env: str) -> dict[str, object]:
+    return json.loads(_run(DECODE_STEP, str(model_dir), **env).stdout.strip().splitlines()[-1])
 
 
 @needs_openblas
@@ -205,17 +210,7 @@ blas.report(logging.getLogger("t"))
 
 
 def _report_logs(**env: str) -> str:
-    drop = ("MLXCEL_GEMV_ROWS", "MLXCEL_GEMM_PAD", "CC")
-    base = {k: v for k, v in os.environ.items() if k not in drop}
-    return subprocess.run(
-        [sys.executable, "-c", REPORT],
-        cwd=REPO,
-        env={**base, "PYTHONPATH": str(REPO), **env},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    ).stderr
+    return _run(REPORT, **env).stderr
 
 
 @needs_openblas
