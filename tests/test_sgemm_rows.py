@@ -28,16 +28,19 @@ needs_openblas = pytest.mark.skipif(
 )
 
 
-def _products_during(fn) -> tuple[int, object]:  # type: ignore[no-untyped-def]
-    before = sgemm_rows.gemv_products()
+def _counted(counter, fn) -> tuple[int, object]:  # type: ignore[no-untyped-def]
+    """What `fn()` returns, and how far `counter()` (one of sgemm_rows's) moved during it."""
+    before = counter()
     out = fn()
-    return sgemm_rows.gemv_products() - before, out
+    return counter() - before, out
+
+
+def _products_during(fn) -> tuple[int, object]:  # type: ignore[no-untyped-def]
+    return _counted(sgemm_rows.gemv_products, fn)
 
 
 def _padded_during(fn) -> tuple[int, object]:  # type: ignore[no-untyped-def]
-    before = sgemm_rows.padded_products()
-    out = fn()
-    return sgemm_rows.padded_products() - before, out
+    return _counted(sgemm_rows.padded_products, fn)
 
 
 @needs_openblas

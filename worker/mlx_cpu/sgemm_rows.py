@@ -52,7 +52,6 @@ class SgemmRows:
 
     rows: int
     pad: int
-    library: str | None = None
     error: str | None = None
 
 
@@ -130,7 +129,7 @@ def interpose(openblas: ctypes.CDLL, rows: int, pad: int) -> SgemmRows:
         detail = getattr(exc, "stderr", b"") or b""
         text = detail.decode(errors="replace").strip()[-300:] if detail else repr(exc)
         return SgemmRows(rows=0, pad=0, error=f"sgemm_rows.c: {text}")
-    return SgemmRows(rows=rows, pad=pad, library=str(path))
+    return SgemmRows(rows=rows, pad=pad)
 
 
 def gemv_products() -> int:
