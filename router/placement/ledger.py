@@ -279,6 +279,9 @@ class AdmissionLedger:
             log.warning("could not record the start of %s", request_id, exc_info=True)
 
     async def release(self, request_id: str) -> None:
+        # Open before the release too: once Redis has applied it, a request this process takes
+        # (which may be read before the script's reply) must ask the ledger, not a stale refusal.
+        self.gate.open()
         try:
             await self.batch.script(self._release, **self._release_call(request_id))
         except redis.RedisError:  # it lapses on its own within reservation_ttl_s
