@@ -5,6 +5,7 @@ the real router app on a real Redis, its only slot held by another router's rese
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ import redis
 import redis.asyncio as aioredis
 from pydantic import SecretStr
 
+from mlxcel_pool.redis_server import EmbeddedRedis
 from router.edge.busy_gate import BusyGate
 from router.placement.ledger import AdmissionLedger
 from router.placement.place_call import Placement
@@ -221,3 +223,35 @@ def test_too_many_choices_or_a_stale_count_shut_nothing(redis_url: str) -> None:
     finally:
         for rid in ("one", "y", "z"):
             ledger.release_sync(rid, r)
+
+
+def test_a_release_opens_the_gate_before_redis_has_answered_it(
+    redis_server: EmbeddedRedis, redis_url: str
+) -> None:
+    """A request this process reads once Redis has applied a release may be read before the
+    release's reply: the gate is open from the moment the release is sent, not only once it is
+    answered. Redis is paused (CLIENT PAUSE) so the reply is held while the gate is looked at."""
+    r = redis.Redis.from_url(redis_url)
+    config = AdmissionConfig(max_inflight=1, max_inflight_per_worker=0, busy_hold_ms=60_000)
+
+    async def scenario() -> None:
+        ledger = AdmissionLedger(
+            config, RoutingConfig(), PromptCacheConfig(), r, aioredis.Redis.from_url(redis_url)
+        )
+        assert isinstance(ledger.reserve("held", 4, "m", []), Placement)
+        assert not isinstance(ledger.reserve("more", 4, "m", []), Placement)
+        assert ledger.gate.refusal() is not None
+        # Every client's commands wait 0.6 s (the pool's user may not pause Redis: the admin does).
+        redis.Redis.from_url(redis_server.admin_url).client_pause(600)
+        release = asyncio.create_task(ledger.release("held"))
+        await asyncio.sleep(0.2)
+        assert not release.done()  # Redis has not answered the release yet
+        assert ledger.gate.refusal() is None
+        await release
+        assert r.zcard(keys.admission_inflight()) == 0
+        assert ledger.gate.refusal() is None
+        # The slot is free: the next request is placed, not refused by a stale shut.
+        assert isinstance(ledger.reserve("next", 4, "m", []), Placement)
+        ledger.release_sync("next", r)
+
+    asyncio.run(scenario())
