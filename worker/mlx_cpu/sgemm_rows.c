@@ -1,8 +1,8 @@
 /* MLX's CPU matmul calls cblas_sgemm for every float32 product. Two row counts are slow on
- * OpenBLAS before 0.3.27 (Debian 12 ships 0.3.21):
+ * Debian 12's OpenBLAS (0.3.21):
  *  - a few rows (a decode step's, one a sequence): gemm packs the whole weight matrix on every
- *    call, so the weights are read about twice; gemv reads them once (0.3.27 forwards one-row
- *    products to gemv itself);
+ *    call, so the weights are read about twice; gemv reads them once (later releases forward
+ *    one-row products to gemv themselves: numpy's bundled 0.3.31 runs them as fast as gemv);
  *  - a row count just short of a multiple of 16: gemm's edge tiles make 12 rows slower than 16.
  * This library is loaded ahead of OpenBLAS in the process's global symbol scope. Its cblas_sgemm
  * sends a row-major product of at most `gemv_rows` rows to OpenBLAS's cblas_sgemv, a row at a
@@ -82,7 +82,8 @@ static int grow(float **buf, long *cap, long floats) {
 }
 
 /* The padded rows of A are zero, so C's first m rows are the product's; returns 0 (nothing
- * done) when the buffers cannot grow. */
+ * done) when the buffers cannot grow. With beta 0 the padded C is not cleared: gemm's beta-0
+ * pass writes C before it adds (0.3.21 gives finite products over a C of NaNs). */
 static int padded(int trans_b, int m, int mp, int n, int k, float alpha, const float *a, int lda,
                   const float *b, int ldb, float beta, float *c, int ldc) {
   if (!grow(&pad_a, &pad_a_cap, (long)mp * k) || !grow(&pad_c, &pad_c_cap, (long)mp * n))

@@ -1,7 +1,7 @@
 """How a float32 product's rows reach OpenBLAS: few rows through gemv, awkward counts padded.
 
-MLX's CPU backend sends every float32 product to `cblas_sgemm`. On OpenBLAS before 0.3.27
-(Debian 12 ships 0.3.21) two kinds of product are slow: a decode step's few rows (one a
+MLX's CPU backend sends every float32 product to `cblas_sgemm`. On Debian 12's OpenBLAS
+(0.3.21) two kinds of product are slow: a decode step's few rows (one a
 sequence), for which gemm packs the whole weight matrix on every call while gemv reads it once;
 and a row count just short of a multiple of 16, whose edge tiles make 12 rows slower than 16.
 `sgemm_rows.c` puts a `cblas_sgemm` ahead of OpenBLAS's in the process's global symbol scope
@@ -32,10 +32,12 @@ from pathlib import Path
 
 ROWS_ENV = "MLXCEL_GEMV_ROWS"
 PAD_ENV = "MLXCEL_GEMM_PAD"
-# Up to eight rows a product, a gemv a row is faster than OpenBLAS 0.3.21's gemm on the bench
-# model's weights; by sixteen, gemm's one pass is the faster (bench/README.md).
+# Where gemv a row stops beating OpenBLAS 0.3.21's gemm depends on the CPU: past eight rows on
+# the AMD EPYC the default was chosen on, past six on an Intel Xeon with AVX-512; by sixteen,
+# gemm's one pass is the faster on both (bench/README.md, bench_sgemm_rows.py).
 DEFAULT_ROWS = 8
-# OpenBLAS's float32 gemm tiles on this hardware are 16 rows tall.
+# OpenBLAS's float32 gemm tiles are 16 rows tall on the x86-64 kernels measured (12 rows padded
+# to 16 was the faster on both CPUs).
 DEFAULT_PAD = 16
 CACHE_ENV = "MLXCEL_CACHE_DIR"
 DEFAULT_CACHE = "~/.cache/mlxcel-pool"
