@@ -96,7 +96,7 @@ LAST_REJECT_HASH_FIELDS: tuple[str, ...] = tuple(f"last_reject_{f}" for f in LAS
 INFO_FIELDS: tuple[str, ...] = (
     "worker_id", "model", "pid", "host", "started_at", "rq_name", "batch_size",
     "storage_modes", "last_seen", "epoch", "model_dir", "batch_invariant", "batch_limit",
-    "stuck_after_s", "loop_age_s",
+    "gemv_rows", "stuck_after_s", "loop_age_s",
 )  # fmt: skip
 
 # The spec's field order for `/v1/cache/stats`.
@@ -271,6 +271,8 @@ def _identity(info: dict[str, str]) -> dict[str, Any]:
         # The load-time batch-invariance check's verdict and the batch size served at.
         "batch_invariant": info.get("batch_invariant"),
         "batch_limit": int(info["batch_limit"]) if _is_number(info.get("batch_limit")) else None,
+        # The rows a float32 product may have to go to OpenBLAS's gemv (worker/mlx_cpu).
+        "gemv_rows": int(info["gemv_rows"]) if _is_number(info.get("gemv_rows")) else None,
     }
 
 

@@ -12,7 +12,12 @@ import pytest
 import redis
 
 from mlxcel_pool.redis_server import EmbeddedRedis, start_redis
-from worker.mlx_cpu import blas
+from worker.mlx_cpu import blas, sgemm_rows
+
+# Every process of the suite sends the same products to gemv, whatever turn this host would
+# measure (worker/mlx_cpu/gemv_turn.py): a test comparing two processes' tokens must not depend
+# on a timing. The turn's own tests (test_gemv_turn.py) set `auto` in the processes they start.
+os.environ.setdefault(sgemm_rows.ROWS_ENV, str(sgemm_rows.DEFAULT_ROWS))
 
 # An explicit call, before any test module imports mlx: OpenBLAS must be loaded first.
 blas.preload_openblas()

@@ -75,8 +75,9 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
     from worker.broker.reaper import Reaper
     from worker.engine.engine import Engine
     from worker.loop import WorkerLoop
+    from worker.mlx_cpu import gemv_turn, sgemm_rows
 
-    blas_info = blas.report(log)
+    blas_info = blas.report(log, turn_measured=sgemm_rows.loaded() and gemv_turn.wanted())
     if not settings.redis.url:
         log.error("REDIS_URL is not set: the worker needs the pool's Redis")
         return None
@@ -94,6 +95,8 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
         from worker.mlx_cpu import cpu_ops
 
         cpu_ops.install(model)
+    # Before the batch-invariance check: which products go to gemv changes a batch's numbers.
+    gemv_rows = _gemv_turn(settings, model, model_dir, blas_info, worker_id)
     batching = _batch_invariance(settings, model, vocab_size, worker_id)
     configured_batch = settings.worker.batch_size
     settings = _served_at(settings, batching)
@@ -115,6 +118,7 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
         "storage_modes": settings_gauges.pop("storage_modes"),
         "canary": my_canary,
         "model_dir": str(model_dir.resolve()),
+        "gemv_rows": str(gemv_rows),
     }
     presence = WorkerPresence(
         conn,
@@ -198,6 +202,29 @@ def _load(
         time.perf_counter() - t0,
     )
     return model, tokenizer
+
+
+def _gemv_turn(
+    settings: Settings, model: Any, model_dir: Path, blas_info: Any, worker_id: str
+) -> int:
+    """The rows a product may have to go to gemv: `MLXCEL_GEMV_ROWS` when set to a count, else
+    this host's measured turn (worker/mlx_cpu/gemv_turn.py); 0 when the interposer is off."""
+    from worker.mlx_cpu import gemv_turn, sgemm_rows
+
+    if not (sgemm_rows.loaded() and gemv_turn.wanted()):
+        return int(blas_info.gemv_rows)
+    turn = gemv_turn.resolve(model, blas_info.path, model_dir, settings.cache_dir)
+    measured = ", ".join(f"{n} rows {r:.2f}" for n, r in sorted(turn.ratios.items()))
+    log.info(
+        "worker %s gemv turn: products of up to %d rows go to gemv (%s; gemv/gemm step time: %s)",
+        worker_id,
+        turn.rows,
+        {"probe": f"measured in {turn.seconds:.2f}s, kept", "cache": "kept earlier"}.get(
+            turn.source, "the probe failed"
+        ),
+        measured or "-",
+    )
+    return turn.rows
 
 
 def _batch_invariance(

@@ -184,8 +184,9 @@ def _warning_lines(info: BlasInfo, gflops: float) -> list[str]:
     ]
 
 
-def report(logger: logging.Logger) -> BlasInfo:
-    """Log which BLAS mlx uses and how fast it is; warn loudly when it is the slow one."""
+def report(logger: logging.Logger, turn_measured: bool = False) -> BlasInfo:
+    """Log which BLAS mlx uses and how fast it is; warn loudly when it is the slow one.
+    `turn_measured`: the caller measures the gemv turn next (gemv_turn.py), which it logs."""
     info = preload_openblas()
     try:
         gflops = measure_matmul_gflops()
@@ -197,9 +198,9 @@ def report(logger: logging.Logger) -> BlasInfo:
     logger.info("BLAS: %s%s, float32 matmul %.1f GFLOPS", info.backend, where, gflops)
     if info.gemv_rows or info.gemm_pad:
         logger.info(
-            "BLAS: products of up to %d rows go to gemv; under 64 rows, a count half a tile "
+            "BLAS: products of up to %s rows go to gemv; under 64 rows, a count half a tile "
             "past a multiple of %d is padded to it",
-            info.gemv_rows,
+            "the measured turn's" if turn_measured else info.gemv_rows,
             info.gemm_pad,
         )
     elif info.sgemm_rows_error:

@@ -50,6 +50,12 @@ int mlxcel_sgemm_bind(void *handle, int rows, int pad) {
   return 1;
 }
 
+/* Products of up to `rows` rows go to gemv from the next product on (0: none): the worker's
+ * load-time probe tries row counts both ways in one process (gemv_turn.py). */
+void mlxcel_sgemm_set_rows(int rows) {
+  __atomic_store_n(&gemv_rows, rows < 0 ? 0 : rows, __ATOMIC_RELAXED);
+}
+
 /* How many products went each way (tests and the benchmark read them). */
 long mlxcel_gemv_products(void) { return __atomic_load_n(&gemv_products, __ATOMIC_RELAXED); }
 long mlxcel_padded_products(void) { return __atomic_load_n(&padded_products, __ATOMIC_RELAXED); }
@@ -103,7 +109,7 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
                  const float *a, int lda, const float *b, int ldb, float beta, float *c,
                  int ldc) {
   if (order == ROW_MAJOR && m >= 1 && n > 1 && k > 1) {
-    if (m <= gemv_rows) {
+    if (m <= __atomic_load_n(&gemv_rows, __ATOMIC_RELAXED)) {
       __atomic_fetch_add(&gemv_products, 1, __ATOMIC_RELAXED);
       by_rows(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
       return;

@@ -5,10 +5,10 @@ MLX's CPU backend sends every float32 product to `cblas_sgemm`. On Debian 12's O
 sequence), for which gemm packs the whole weight matrix on every call while gemv reads it once;
 and a row count just short of a multiple of 16, whose edge tiles make 12 rows slower than 16.
 `sgemm_rows.c` puts a `cblas_sgemm` ahead of OpenBLAS's in the process's global symbol scope
-that sends products of up to `MLXCEL_GEMV_ROWS` rows to OpenBLAS's `cblas_sgemv`, a row at a
-time; pads those of fewer than 64 rows at least half a tile past a multiple of
-`MLXCEL_GEMM_PAD` rows with zero rows to that multiple; and sends the rest to OpenBLAS's gemm
-(bench/README.md has the figures).
+that sends products of up to `MLXCEL_GEMV_ROWS` rows (a worker measures the host's turn:
+`gemv_turn.py`; `set_rows` moves it) to OpenBLAS's `cblas_sgemv`, a row at a time; pads those
+of fewer than 64 rows at least half a tile past a multiple of `MLXCEL_GEMM_PAD` rows with zero
+rows to that multiple; and sends the rest to OpenBLAS's gemm (bench/README.md has the figures).
 
 `interpose(openblas, rows, pad)` builds the library with the system C compiler (`$CC`, else
 `cc`) into `<MLXCEL_CACHE_DIR>/native/`, once per source and compiler, binds it to the OpenBLAS
@@ -31,10 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROWS_ENV = "MLXCEL_GEMV_ROWS"
+AUTO = "auto"  # MLXCEL_GEMV_ROWS's value for the measured turn (as unset)
 PAD_ENV = "MLXCEL_GEMM_PAD"
-# Where gemv a row stops beating OpenBLAS 0.3.21's gemm depends on the CPU: past eight rows on
-# the AMD EPYC the default was chosen on, past six on an Intel Xeon with AVX-512; by sixteen,
-# gemm's one pass is the faster on both (bench/README.md, bench_sgemm_rows.py).
+# Where gemv a row stops beating OpenBLAS 0.3.21's gemm depends on the CPU (eight rows on one
+# AMD EPYC, six on an Intel Xeon with AVX-512, four on another AMD EPYC; by sixteen gemm's one
+# pass is the faster on all: bench/README.md, bench_sgemm_rows.py): a worker measures it
+# (gemv_turn.py); this serves until then, and in processes that do not measure.
 DEFAULT_ROWS = 8
 # OpenBLAS's float32 gemm tiles are 16 rows tall on the x86-64 kernels measured (12 rows padded
 # to 16 was the faster on both CPUs).
@@ -69,6 +71,10 @@ def _count(env: str, default: int) -> int:
 
 
 def configured_rows() -> int:
+    """`MLXCEL_GEMV_ROWS` as a count; unset, empty or `auto` (a worker measures the host's turn
+    once its model is loaded: gemv_turn.py) is DEFAULT_ROWS until then."""
+    if os.environ.get(ROWS_ENV, "").strip().lower() == AUTO:
+        return DEFAULT_ROWS
     return _count(ROWS_ENV, DEFAULT_ROWS)
 
 
@@ -125,6 +131,7 @@ def interpose(openblas: ctypes.CDLL, rows: int, pad: int) -> SgemmRows:
             return SgemmRows(rows=0, pad=0, error="OpenBLAS has no cblas_sgemm or cblas_sgemv")
         # Bound: only now may MLX resolve `cblas_sgemm` to it.
         _library = ctypes.CDLL(str(path), mode=os.RTLD_GLOBAL)
+        _library.mlxcel_sgemm_set_rows.argtypes = [ctypes.c_int]
         _library.mlxcel_gemv_products.restype = ctypes.c_long
         _library.mlxcel_padded_products.restype = ctypes.c_long
     except (OSError, subprocess.SubprocessError) as exc:
@@ -132,6 +139,20 @@ def interpose(openblas: ctypes.CDLL, rows: int, pad: int) -> SgemmRows:
         text = detail.decode(errors="replace").strip()[-300:] if detail else repr(exc)
         return SgemmRows(rows=0, pad=0, error=f"sgemm_rows.c: {text}")
     return SgemmRows(rows=rows, pad=pad)
+
+
+def loaded() -> bool:
+    """Whether the interposer is in this process (bound, and global)."""
+    return _library is not None
+
+
+def set_rows(rows: int) -> bool:
+    """Products of up to `rows` rows go to gemv from the next one on (0: none); False, and
+    nothing changes, when the library is not loaded."""
+    if _library is None:
+        return False
+    _library.mlxcel_sgemm_set_rows(max(0, rows))
+    return True
 
 
 def gemv_products() -> int:
