@@ -63,6 +63,7 @@ from common import (
     output_args,
     pool_side,
     ratio,
+    same_gemv_turn,
     stream_request,
     table,
     write_json,
@@ -540,6 +541,8 @@ def main(argv: list[str] | None = None) -> int:
         pool_side(model_dir, env, args.router_processes) as pool_url,
         mlx_lm_server(model_dir, server_args) as srv,
     ):
+        turn = same_gemv_turn(pool_url)
+        print(f"# pool worker and engine: products of up to {turn} rows to gemv")
         sides = Sides(engine, pool_url, srv, model_dir.name, tokenizer, load)
         for m, sampling in enumerate(samplings):
             warm_up(sides, tokenizer, sampling)

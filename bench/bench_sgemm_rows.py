@@ -1,18 +1,21 @@
 """A decode step with its products routed by row count (worker/mlx_cpu/sgemm_rows.py: few rows
 on OpenBLAS's gemv, awkward counts padded to gemm's tile) against OpenBLAS's gemm for every
-product, by batch size: what `MLXCEL_GEMV_ROWS` and `MLXCEL_GEMM_PAD` buy, and their defaults.
+product, by batch size: what `MLXCEL_GEMV_ROWS` and `MLXCEL_GEMM_PAD` buy, and their defaults
+(the turn measured on the host, and 16).
 
 Each side is a fresh process (the routing is chosen before mlx loads) that preloads OpenBLAS
-with a `--sides` entry ROWS/PAD (0/0: gemm for every product, as mlx_lm.server runs), loads the
-bench model with the worker's CPU ops, prefills `--context` random tokens for B sequences and
-times `--steps` decode steps of one token each (the model's forward and its eval, no sampling).
+with a `--sides` entry ROWS/PAD (0/0: gemm for every product, as mlx_lm.server runs; `auto`
+ROWS: the worker's load-time probe, worker/mlx_cpu/gemv_turn.py, measures the turn afresh in
+that process and the side runs at it), loads the bench model with the worker's CPU ops,
+prefills `--context` random tokens for B sequences and times `--steps` decode steps of one token
+each (the model's forward and its eval, no sampling).
 Then it prefills one prompt of each `--prefill` length, to its last logits as the worker does.
 The sides alternate, their order rotated each round. Printed: median ms a step per side and
 batch, each over the gemm side's, the products a step that went to gemv or were padded, and the
 prefills' median ms.
 
     flock /tmp/mlxcel-bench.lock .venv/bin/python bench/bench_sgemm_rows.py [--quick]
-        [--batches 1,2,4,8,12,16,24,40] [--prefill 6,12,24,40,64] [--sides 0/0,8/0,8/16]
+        [--batches 1,2,4,8,12,16,24,40] [--prefill 6,12,24,40,64] [--sides 0/0,8/0,8/16,auto/16]
         [--context 64] [--steps 30] [--repeats 3] [--json out.json]
 """
 
@@ -30,8 +33,10 @@ from common import REPO, announce, bench_model_dir, median, output_args, ratio, 
 PREFILL_REPEATS = 7
 STEP_CODE = """
 import json, sys, time
-from worker.mlx_cpu import blas, sgemm_rows
-rows, pad = (int(v) for v in sys.argv[2].split("/"))
+from worker.mlx_cpu import blas, gemv_turn, sgemm_rows
+asked, pad = sys.argv[2].split("/")
+auto = asked == "auto"
+rows, pad = (sgemm_rows.DEFAULT_ROWS if auto else int(asked)), int(pad)
 info = blas.preload_openblas(gemv_rows=rows, gemm_pad=pad)
 import mlx.core as mx
 import numpy as np
@@ -43,6 +48,10 @@ cpu_ops.install(model)
 context, steps = int(sys.argv[3]), int(sys.argv[4])
 out = {"side": f"{info.gemv_rows}/{info.gemm_pad}", "error": info.sgemm_rows_error, "ms": {},
        "gemv": {}, "padded": {}}
+if auto:  # measured afresh in this process, as a worker's first start on a host does
+    turn = gemv_turn.probe(model)
+    out.update(side=f"auto/{info.gemm_pad}", turn=turn.rows, ratios=turn.ratios,
+               probe_s=turn.seconds)
 for batch in json.loads(sys.argv[5]):
     rng = np.random.default_rng(batch)
     cache = make_prompt_cache(model)
@@ -100,11 +109,13 @@ def run_side(side: str, batches: list[int], context: int, steps: int, prefill: l
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
-        "--quick", action="store_true", help="batches 1, 4, 12; sides 0/0, 8/16; 2 rounds"
+        "--quick", action="store_true", help="batches 1, 4, 12; sides 0/0, auto/16; 2 rounds"
     )
     p.add_argument("--batches", default="1,2,4,8,12,16,24,40")
     p.add_argument(
-        "--sides", default="0/0,8/0,8/16", help="ROWS/PAD: MLXCEL_GEMV_ROWS, MLXCEL_GEMM_PAD"
+        "--sides",
+        default="0/0,8/0,8/16,auto/16",
+        help="ROWS/PAD: MLXCEL_GEMV_ROWS (a count, or auto), MLXCEL_GEMM_PAD",
     )
     p.add_argument("--prefill", default="6,12,24,40,64", help="one prompt's lengths, prefilled")
     p.add_argument("--context", type=int, default=64)
@@ -114,7 +125,7 @@ def main() -> int:
     args = p.parse_args()
     batches = [1, 4, 12] if args.quick else [int(b) for b in args.batches.split(",")]
     prefill = [12, 40] if args.quick else [int(n) for n in args.prefill.split(",")]
-    sides = ["0/0", "8/16"] if args.quick else args.sides.split(",")
+    sides = ["0/0", "auto/16"] if args.quick else args.sides.split(",")
     repeats = 2 if args.quick else args.repeats
     if "0/0" not in sides:
         sides = ["0/0", *sides]
@@ -130,6 +141,12 @@ def main() -> int:
             runs[side].append(result)
             steps_ms = "  ".join(f"B{b} {result['ms'][str(b)]:6.2f}" for b in batches)
             print(f"  round {rnd + 1} side {side}: ms a step  {steps_ms}", flush=True)
+            if "turn" in result:
+                measured = " · ".join(f"{n} {r:.3f}" for n, r in result["ratios"].items())
+                print(
+                    f"    its probe: up to {result['turn']} rows to gemv, in "
+                    f"{result['probe_s']:.2f}s (gemv/gemm step by rows: {measured})"
+                )
     others = [side for side in sides if side != "0/0"]
     headers = ["batch", "gemm ms", *(f"{side} ms" for side in others)]
     headers += [f"{side}/gemm" for side in others]

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from worker.mlx_cpu import blas  # noqa: E402
+from worker.mlx_cpu import blas, gemv_turn  # noqa: E402
 
 blas.preload_openblas()  # before anything below imports mlx
 
@@ -248,6 +248,20 @@ def pool_side(
         yield pool.url
 
 
+def same_gemv_turn(pool_url: str) -> int | None:
+    """This process's few-row products sent as the pool's worker sends them: its `gemv_rows`
+    (measured on its start: worker/mlx_cpu/gemv_turn.py) from `/health`, applied here, so an
+    in-process engine side runs the worker's own products. None when it reports none."""
+    from worker.mlx_cpu import sgemm_rows
+
+    workers = httpx.get(f"{pool_url}/health", timeout=10).json().get("workers", [])
+    rows = {str(w.get("gemv_rows", "")) for w in workers}
+    if len(rows) != 1 or not next(iter(rows)).isdigit():
+        return None
+    turn = int(rows.pop())
+    return turn if sgemm_rows.set_rows(turn) else None
+
+
 def _server_code(model_dir: Path, port: int, extra: Sequence[str]) -> str:
     argv = [
         "mlx_lm.server",
@@ -362,9 +376,12 @@ def machine_line() -> str:
         pass
     info = blas.preload_openblas()
     gflops = blas.measure_matmul_gflops()
+    # A worker measures its own turn on start (MLXCEL_GEMV_ROWS unset or `auto`): this process's
+    # rows are not the pool's then.
+    rows = "a worker's measured turn of" if gemv_turn.wanted() else info.gemv_rows
     return (
         f"{time.strftime('%Y-%m-%d %H:%M')}  cores={os.cpu_count()}  cpu={cpu}  "
-        f"blas={info.backend} ({gflops:.0f} GFLOPS f32 matmul, gemv up to {info.gemv_rows} "
+        f"blas={info.backend} ({gflops:.0f} GFLOPS f32 matmul, gemv up to {rows} "
         f"rows, gemm padded to {info.gemm_pad})"
     )
 
