@@ -17,6 +17,11 @@ prefills' median ms.
     flock /tmp/mlxcel-bench.lock .venv/bin/python bench/bench_sgemm_rows.py [--quick]
         [--batches 1,2,4,8,12,16,24,40] [--prefill 6,12,24,40,64] [--sides 0/0,8/0,8/16,auto/16]
         [--context 64] [--steps 30] [--repeats 3] [--json out.json]
+        [--paired auto,8 [--pairs 20]]
+
+`--paired A,B` runs two row settings in one process instead, alternating step by step on the
+same caches (`auto`: the probe's turn), and prints the median of the pairs' ratios a batch: on a
+machine whose speed drifts between processes it still tells the two apart.
 """
 
 from __future__ import annotations
@@ -80,6 +85,91 @@ for length in json.loads(sys.argv[6]):
 print(json.dumps(out))
 """
 
+# `--paired A,B`: one process, the two row settings alternating step by step on the same caches
+# (each pair's two steps side by side, their order alternating), so a machine whose speed
+# drifts between processes and minutes still compares them; `auto` is the worker's probe, run
+# first in this process.
+PAIRED_CODE = """
+import json, statistics, sys, time
+from worker.mlx_cpu import blas, gemv_turn, sgemm_rows
+info = blas.preload_openblas()
+import mlx.core as mx
+import numpy as np
+from mlx_lm import load
+from mlx_lm.models.cache import make_prompt_cache
+from worker.mlx_cpu import cpu_ops
+model, _ = load(sys.argv[1])
+cpu_ops.install(model)
+names = sys.argv[2].split(",")
+context, pairs = int(sys.argv[3]), int(sys.argv[4])
+out = {"rows": {}, "ms": {}, "ratio": {}, "pad": info.gemm_pad}
+if "auto" in names:
+    turn = gemv_turn.probe(model)
+    out.update(turn=turn.rows, ratios=turn.ratios, probe_s=turn.seconds)
+rows = {n: (out["turn"] if n == "auto" else int(n)) for n in names}
+out["rows"] = rows
+for batch in json.loads(sys.argv[5]):
+    rng = np.random.default_rng(batch)
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array(rng.integers(5, 8000, size=(batch, context))), cache=cache))
+    token = mx.array(rng.integers(5, 8000, size=(batch, 1)))
+    took = {n: [] for n in names}
+    for i in range(2 + pairs):
+        for n in (names if i % 2 == 0 else names[::-1]):
+            sgemm_rows.set_rows(rows[n])
+            t0 = time.perf_counter()
+            mx.eval(model(token, cache=cache))
+            if i >= 2:
+                took[n].append(time.perf_counter() - t0)
+    a, b = names
+    out["ms"][str(batch)] = {n: statistics.median(took[n]) * 1e3 for n in names}
+    out["ratio"][str(batch)] = statistics.median(x / y for x, y in zip(took[a], took[b]))
+print(json.dumps(out))
+"""
+
+
+def run_paired(names: str, batches: list[int], context: int, pairs: int) -> int:
+    a, b = names.split(",")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            PAIRED_CODE,
+            str(bench_model_dir()),
+            names,
+            str(context),
+            str(pairs),
+            json.dumps(batches),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=900,
+    )
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    print(
+        f"# {a} = {out['rows'][a]} rows, {b} = {out['rows'][b]} rows, pad {out['pad']}; "
+        f"{pairs} pairs of steps a batch, side by side in one process"
+    )
+    if "turn" in out:
+        measured = " · ".join(f"{n} {r:.3f}" for n, r in out["ratios"].items())
+        print(f"# the probe: up to {out['turn']} rows, in {out['probe_s']:.2f}s ({measured})")
+    lines = [
+        [
+            batch,
+            f"{out['ms'][str(batch)][a]:.2f}",
+            f"{out['ms'][str(batch)][b]:.2f}",
+            f"{out['ratio'][str(batch)]:.3f}",
+        ]
+        for batch in batches
+    ]
+    print(table(["batch", f"{a} ms", f"{b} ms", f"{a}/{b} (paired)"], lines))
+    print("(medians of each side's steps, and of the pairs' ratios)")
+    return 0
+
 
 def run_side(side: str, batches: list[int], context: int, steps: int, prefill: list[int]) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -121,8 +211,19 @@ def main() -> int:
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--paired",
+        default="",
+        help="A,B (e.g. auto,8): two MLXCEL_GEMV_ROWS settings alternating step by step in one "
+        "process instead of the sides",
+    )
+    p.add_argument("--pairs", type=int, default=20, help="--paired's pairs of steps a batch")
     output_args(p, "write every side's run here", work_dir=False)
     args = p.parse_args()
+    if args.paired:
+        announce()
+        batches = [int(b) for b in args.batches.split(",")]
+        return run_paired(args.paired, batches, args.context, args.pairs)
     batches = [1, 4, 12] if args.quick else [int(b) for b in args.batches.split(",")]
     prefill = [12, 40] if args.quick else [int(n) for n in args.prefill.split(",")]
     sides = ["0/0", "auto/16"] if args.quick else args.sides.split(",")
