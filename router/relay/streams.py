@@ -140,6 +140,12 @@ class SSEResponse(StreamingResponse):
     async def stream_response(self, send: Send) -> None:
         start = {"type": "http.response.start", "status": self.status_code}
         await send({**start, "headers": self.raw_headers})
+        # The body in a task of its own, awaited here: each read's wake-up then resumes its few
+        # frames, not the two dozen of the server, middleware and routing above this one. A
+        # cancel of this task (the client left) cancels it, and its cleanup runs in it.
+        await asyncio.ensure_future(self._send_body(send))
+
+    async def _send_body(self, send: Send) -> None:
         more = True
         async for chunk in self.body_iterator:  # to its end: its cleanup runs in it
             if more:
