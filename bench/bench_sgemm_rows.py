@@ -19,9 +19,9 @@ prefills' median ms.
         [--context 64] [--steps 30] [--repeats 3] [--json out.json]
         [--paired auto,8 [--pairs 20]]
 
-`--paired A,B` runs two row settings in one process instead, alternating step by step on the
-same caches (`auto`: the probe's turn), and prints the median of the pairs' ratios a batch: on a
-machine whose speed drifts between processes it still tells the two apart.
+`--paired A,B` runs two settings, ROWS or ROWS/PAD each, in one process instead, alternating
+step by step on the same caches (`auto`: the probe's turn), and prints the median of the pairs'
+ratios a batch: on a machine whose speed drifts between processes it still tells the two apart.
 """
 
 from __future__ import annotations
@@ -102,12 +102,14 @@ model, _ = load(sys.argv[1])
 cpu_ops.install(model)
 names = sys.argv[2].split(",")
 context, pairs = int(sys.argv[3]), int(sys.argv[4])
-out = {"rows": {}, "ms": {}, "ratio": {}, "pad": info.gemm_pad}
-if "auto" in names:
+out = {"rows": {}, "ms": {}, "ratio": {}, "pad": {}}
+if any(n.split("/")[0] == "auto" for n in names):
     turn = gemv_turn.probe(model)
     out.update(turn=turn.rows, ratios=turn.ratios, probe_s=turn.seconds)
-rows = {n: (out["turn"] if n == "auto" else int(n)) for n in names}
-out["rows"] = rows
+specs = {n: n.split("/") for n in names}
+rows = {n: (out["turn"] if s[0] == "auto" else int(s[0])) for n, s in specs.items()}
+pads = {n: (int(s[1]) if len(s) > 1 else info.gemm_pad) for n, s in specs.items()}
+out["rows"], out["pad"] = rows, pads
 for batch in json.loads(sys.argv[5]):
     rng = np.random.default_rng(batch)
     cache = make_prompt_cache(model)
@@ -117,6 +119,7 @@ for batch in json.loads(sys.argv[5]):
     for i in range(2 + pairs):
         for n in (names if i % 2 == 0 else names[::-1]):
             sgemm_rows.set_rows(rows[n])
+            sgemm_rows.set_pad(pads[n])
             t0 = time.perf_counter()
             mx.eval(model(token, cache=cache))
             if i >= 2:
@@ -151,8 +154,9 @@ def run_paired(names: str, batches: list[int], context: int, pairs: int) -> int:
     )
     out = json.loads(done.stdout.strip().splitlines()[-1])
     print(
-        f"# {a} = {out['rows'][a]} rows, {b} = {out['rows'][b]} rows, pad {out['pad']}; "
-        f"{pairs} pairs of steps a batch, side by side in one process"
+        f"# {a} = gemv up to {out['rows'][a]} rows, pad {out['pad'][a]}; {b} = gemv up to "
+        f"{out['rows'][b]} rows, pad {out['pad'][b]}; {pairs} pairs of steps a batch, side by "
+        "side in one process"
     )
     if "turn" in out:
         measured = " · ".join(f"{n} {r:.3f}" for n, r in out["ratios"].items())
@@ -214,8 +218,8 @@ def main() -> int:
     p.add_argument(
         "--paired",
         default="",
-        help="A,B (e.g. auto,8): two MLXCEL_GEMV_ROWS settings alternating step by step in one "
-        "process instead of the sides",
+        help="A,B (e.g. auto,8 or 5/16,5/0): two ROWS[/PAD] settings alternating step by step "
+        "in one process instead of the sides",
     )
     p.add_argument("--pairs", type=int, default=20, help="--paired's pairs of steps a batch")
     output_args(p, "write every side's run here", work_dir=False)

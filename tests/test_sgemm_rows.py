@@ -192,6 +192,22 @@ def test_without_a_compiler_the_path_is_off_and_says_why(tiny_model_dir: Path) -
     assert "no C compiler" in str(result["error"])
 
 
+@needs_openblas
+def test_set_pad_moves_awkward_counts_between_padded_and_not_at_once() -> None:
+    x, w = mx.ones((12, 72)), mx.ones((72, 56))
+    try:
+        assert sgemm_rows.set_pad(0)
+        padded, out = _padded_during(lambda: np.array(x @ w))
+        assert padded == 0
+        np.testing.assert_allclose(out, np.full((12, 56), 72.0))
+        assert sgemm_rows.set_pad(16)
+        padded, out = _padded_during(lambda: np.array(x @ w))
+        assert padded == 1
+        np.testing.assert_allclose(out, np.full((12, 56), 72.0))
+    finally:
+        sgemm_rows.set_pad(sgemm_rows.configured_pad())
+
+
 def test_settings_read_counts_and_turn_off_on_nonsense(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(sgemm_rows.ROWS_ENV, raising=False)
     monkeypatch.delenv(sgemm_rows.PAD_ENV, raising=False)
@@ -200,6 +216,8 @@ def test_settings_read_counts_and_turn_off_on_nonsense(monkeypatch: pytest.Monke
     monkeypatch.setenv(sgemm_rows.ROWS_ENV, "2")
     monkeypatch.setenv(sgemm_rows.PAD_ENV, "8")
     assert (sgemm_rows.configured_rows(), sgemm_rows.configured_pad()) == (2, 8)
+    monkeypatch.setenv(sgemm_rows.ROWS_ENV, " Auto ")  # measured by a worker: 8 until then
+    assert sgemm_rows.configured_rows() == sgemm_rows.DEFAULT_ROWS
     monkeypatch.setenv(sgemm_rows.ROWS_ENV, "lots")
     monkeypatch.setenv(sgemm_rows.PAD_ENV, "-3")
     assert (sgemm_rows.configured_rows(), sgemm_rows.configured_pad()) == (0, 0)

@@ -56,6 +56,12 @@ void mlxcel_sgemm_set_rows(int rows) {
   __atomic_store_n(&gemv_rows, rows < 0 ? 0 : rows, __ATOMIC_RELAXED);
 }
 
+/* Awkward row counts are padded to a multiple of `pad` from the next product on (under 2: none):
+ * bench_sgemm_rows.py --paired compares settings step by step in one process. */
+void mlxcel_sgemm_set_pad(int pad) {
+  __atomic_store_n(&pad_to, pad < 2 ? 0 : pad, __ATOMIC_RELAXED);
+}
+
 /* How many products went each way (tests and the benchmark read them). */
 long mlxcel_gemv_products(void) { return __atomic_load_n(&gemv_products, __ATOMIC_RELAXED); }
 long mlxcel_padded_products(void) { return __atomic_load_n(&padded_products, __ATOMIC_RELAXED); }
@@ -114,8 +120,9 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
       by_rows(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
       return;
     }
-    if (pad_to && trans_a == NO_TRANS && m < PAD_MAX_ROWS && m % pad_to >= pad_to / 2) {
-      const int mp = (m / pad_to + 1) * pad_to;
+    const int pad = __atomic_load_n(&pad_to, __ATOMIC_RELAXED);
+    if (pad && trans_a == NO_TRANS && m < PAD_MAX_ROWS && m % pad >= pad / 2) {
+      const int mp = (m / pad + 1) * pad;
       if ((long)mp * n <= PAD_MAX_FLOATS &&
           padded(trans_b, m, mp, n, k, alpha, a, lda, b, ldb, beta, c, ldc)) {
         __atomic_fetch_add(&padded_products, 1, __ATOMIC_RELAXED);

@@ -132,6 +132,7 @@ def interpose(openblas: ctypes.CDLL, rows: int, pad: int) -> SgemmRows:
         # Bound: only now may MLX resolve `cblas_sgemm` to it.
         _library = ctypes.CDLL(str(path), mode=os.RTLD_GLOBAL)
         _library.mlxcel_sgemm_set_rows.argtypes = [ctypes.c_int]
+        _library.mlxcel_sgemm_set_pad.argtypes = [ctypes.c_int]
         _library.mlxcel_gemv_products.restype = ctypes.c_long
         _library.mlxcel_padded_products.restype = ctypes.c_long
     except (OSError, subprocess.SubprocessError) as exc:
@@ -152,6 +153,15 @@ def set_rows(rows: int) -> bool:
     if _library is None:
         return False
     _library.mlxcel_sgemm_set_rows(max(0, rows))
+    return True
+
+
+def set_pad(pad: int) -> bool:
+    """Awkward row counts padded to a multiple of `pad` from the next product on (under 2:
+    none); False, and nothing changes, when the library is not loaded."""
+    if _library is None:
+        return False
+    _library.mlxcel_sgemm_set_pad(pad)
     return True
 
 
