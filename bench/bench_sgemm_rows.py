@@ -131,28 +131,24 @@ print(json.dumps(out))
 """
 
 
-def run_paired(names: str, batches: list[int], context: int, pairs: int) -> int:
-    a, b = names.split(",")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+def _in_fresh_process(code: str, *args: object) -> dict:
+    """`code` run by a fresh interpreter (OpenBLAS is preloaded before mlx loads): its last
+    line of output, as JSON."""
     done = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            PAIRED_CODE,
-            str(bench_model_dir()),
-            names,
-            str(context),
-            str(pairs),
-            json.dumps(batches),
-        ],
+        [sys.executable, "-c", code, str(bench_model_dir()), *map(str, args)],
         cwd=REPO,
-        env=env,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
         capture_output=True,
         text=True,
         check=True,
         timeout=900,
     )
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def run_paired(names: str, batches: list[int], context: int, pairs: int) -> int:
+    a, b = names.split(",")
+    out = _in_fresh_process(PAIRED_CODE, names, context, pairs, json.dumps(batches))
     print(
         f"# {a} = gemv up to {out['rows'][a]} rows, pad {out['pad'][a]}; {b} = gemv up to "
         f"{out['rows'][b]} rows, pad {out['pad'][b]}; {pairs} pairs of steps a batch, side by "
@@ -176,28 +172,15 @@ def run_paired(names: str, batches: list[int], context: int, pairs: int) -> int:
 
 
 def run_side(side: str, batches: list[int], context: int, steps: int, prefill: list[int]) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            STEP_CODE,
-            str(bench_model_dir()),
-            side,
-            str(context),
-            str(steps),
-            json.dumps(batches),
-            json.dumps(prefill),
-            str(PREFILL_REPEATS),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=600,
+    return _in_fresh_process(
+        STEP_CODE,
+        side,
+        context,
+        steps,
+        json.dumps(batches),
+        json.dumps(prefill),
+        PREFILL_REPEATS,
     )
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
