@@ -7,8 +7,9 @@ and a row count just short of a multiple of 16, whose edge tiles make 12 rows sl
 `sgemm_rows.c` puts a `cblas_sgemm` ahead of OpenBLAS's in the process's global symbol scope
 that sends products of up to `MLXCEL_GEMV_ROWS` rows (a worker measures the host's turn:
 `gemv_turn.py`; `set_rows` moves it) to OpenBLAS's `cblas_sgemv`, a row at a time; pads those
-of fewer than 64 rows at least half a tile past a multiple of `MLXCEL_GEMM_PAD` rows with zero
-rows to that multiple; and sends the rest to OpenBLAS's gemm (bench/README.md has the figures).
+of fewer than 64 rows at least five eighths of a tile past a multiple of `MLXCEL_GEMM_PAD` rows
+with zero rows to that multiple; and sends the rest to OpenBLAS's gemm (bench/README.md has the
+figures).
 
 `interpose(openblas, rows, pad)` builds the library with the system C compiler (`$CC`, else
 `cc`) into `<MLXCEL_CACHE_DIR>/native/`, once per source and compiler, binds it to the OpenBLAS
