@@ -198,8 +198,8 @@ def report(logger: logging.Logger, turn_measured: bool = False) -> BlasInfo:
     logger.info("BLAS: %s%s, float32 matmul %.1f GFLOPS", info.backend, where, gflops)
     if info.gemv_rows or info.gemm_pad:
         logger.info(
-            "BLAS: products of up to %s rows go to gemv; under 64 rows, a count 5/8 of a tile "
-            "past a multiple of %d is padded to it",
+            "BLAS: products of up to %s rows go to gemv; under 64 rows, a count at least 5/8 of a "
+            "tile past a multiple of %d is padded to it",
             "the measured turn's" if turn_measured else info.gemv_rows,
             info.gemm_pad,
         )
