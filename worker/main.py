@@ -216,9 +216,10 @@ def _gemv_turn(
     turn = gemv_turn.resolve(model, blas_info.path, model_dir, settings.cache_dir)
     measured = ", ".join(f"{n} rows {r:.2f}" for n, r in sorted(turn.ratios.items()))
     log.info(
-        "worker %s gemv turn: products of up to %d rows go to gemv (%s; gemv/gemm step time: %s)",
+        "worker %s gemv turn: products of up to %d row%s go to gemv (%s; gemv/gemm step time: %s)",
         worker_id,
         turn.rows,
+        "" if turn.rows == 1 else "s",
         {"probe": f"measured in {turn.seconds:.2f}s, kept", "cache": "kept earlier"}.get(
             turn.source, "the probe failed"
         ),
