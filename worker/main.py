@@ -75,9 +75,9 @@ def build_worker(settings: Settings) -> WorkerLoop | None:
     from worker.broker.reaper import Reaper
     from worker.engine.engine import Engine
     from worker.loop import WorkerLoop
-    from worker.mlx_cpu import gemv_turn, sgemm_rows
+    from worker.mlx_cpu import gemv_turn
 
-    blas_info = blas.report(log, turn_measured=sgemm_rows.loaded() and gemv_turn.wanted())
+    blas_info = blas.report(log, turn_measured=gemv_turn.will_measure())
     if not settings.redis.url:
         log.error("REDIS_URL is not set: the worker needs the pool's Redis")
         return None
@@ -209,9 +209,9 @@ def _gemv_turn(
 ) -> int:
     """The rows a product may have to go to gemv: `MLXCEL_GEMV_ROWS` when set to a count, else
     this host's measured turn (worker/mlx_cpu/gemv_turn.py); 0 when the interposer is off."""
-    from worker.mlx_cpu import gemv_turn, sgemm_rows
+    from worker.mlx_cpu import gemv_turn
 
-    if not (sgemm_rows.loaded() and gemv_turn.wanted()):
+    if not gemv_turn.will_measure():
         return int(blas_info.gemv_rows)
     turn = gemv_turn.resolve(model, blas_info.path, model_dir, settings.cache_dir)
     measured = ", ".join(f"{n} rows {r:.2f}" for n, r in sorted(turn.ratios.items()))

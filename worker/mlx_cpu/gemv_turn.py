@@ -46,7 +46,6 @@ MAX_ROWS = 8  # past this, gemm's one pass won on every machine measured
 # Gemv must beat gemm by this much at a row count to take it: within it the two are a coin's
 # toss on a busy host, and gemm is what OpenBLAS does on its own.
 WIN_MARGIN = 0.03
-DEFAULT_ROWS = sgemm_rows.DEFAULT_ROWS
 CONTEXT_TOKENS = 32  # each probe batch's prompt, so the steps attend over a real cache
 WARM_STEPS = 2  # a side's first steps on a new batch (buffers, OpenBLAS's threads waking)
 PAIRS = 8  # timed steps a side a row count, the sides alternating step by step
@@ -73,6 +72,11 @@ class Turn:
 def wanted() -> bool:
     """Whether the rows are to be measured: `MLXCEL_GEMV_ROWS` unset, empty or `auto`."""
     return os.environ.get(sgemm_rows.ROWS_ENV, "").strip().lower() in ("", sgemm_rows.AUTO)
+
+
+def will_measure() -> bool:
+    """Whether a worker here measures its turn: the interposer is loaded and `wanted()`."""
+    return sgemm_rows.loaded() and wanted()
 
 
 def turn_from(ratios: dict[int, float], margin: float = WIN_MARGIN) -> int:
@@ -182,8 +186,9 @@ def resolve(model: Any, blas_path: str | None, model_dir: Path, cache_dir: Path)
             log.warning("gemv turn: cannot keep it under %s (%s)", cache_dir, exc)
             turn = probe(model, key)
     except Exception:  # a model the probe's plain batches do not fit: never a worker lost
-        log.exception("gemv turn: the probe failed; up to %d rows go to gemv", DEFAULT_ROWS)
-        turn = Turn(DEFAULT_ROWS, "default", key=key)
+        rows = sgemm_rows.DEFAULT_ROWS
+        log.exception("gemv turn: the probe failed; up to %d rows go to gemv", rows)
+        turn = Turn(rows, "default", key=key)
     sgemm_rows.set_rows(turn.rows)
     return turn
 

@@ -37,8 +37,8 @@ static __thread float *pad_a, *pad_c;
 static __thread long pad_a_cap, pad_c_cap;
 
 /* Bind to the OpenBLAS library `handle` (from dlopen): products of up to `rows` rows go to its
- * gemv (0: none), awkward row counts are padded to a multiple of `pad` rows (0: none). Returns 1 when both
- * functions were found, else 0 (nothing changes). */
+ * gemv (0: none), awkward row counts are padded to a multiple of `pad` rows (0: none). Returns 1
+ * when both functions were found, else 0 (nothing changes). */
 int mlxcel_sgemm_bind(void *handle, int rows, int pad) {
   sgemm_fn gemm = (sgemm_fn)dlsym(handle, "cblas_sgemm");
   sgemv_fn gemv = (sgemv_fn)dlsym(handle, "cblas_sgemv");
