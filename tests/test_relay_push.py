@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,12 +15,15 @@ import pytest
 import redis
 
 from mlxcel_pool.redis_server import POOL_COMMANDS, POOL_COMMANDS_7, EmbeddedRedis
+from router.redis_batch import RedisBatch
+from router.relay.dispatch import Dispatcher
 from router.relay.event_decode import decode_entry
-from router.relay.stream_hub import PUSH_CHECK_S, Feed, StreamHub
+from router.relay.stream_hub import PUSH_CHECK_S, Feed, StreamHub, _bulk
 from shared import keys
 from shared.config import RedisConfig
-from shared.wire import STREAM_FIELD, StreamEvent
-from tests.streams import TINY_MODEL, enqueue, worker_broker
+from shared.redis_clients import async_client
+from shared.wire import STREAM_FIELD, GenerationRequest, StreamEvent
+from tests.streams import TINY_MODEL, enqueue, enqueue_raw, worker_broker
 from worker.broker.intake import RqIntake, TakenJob, own_queues
 from worker.broker.presence import WorkerPresence
 from worker.broker.publisher import Publisher, StepWrites
@@ -101,6 +105,115 @@ def test_a_pushing_workers_steps_arrive_by_push_with_no_read_a_step(
     assert pushed
     # Twenty steps, each relayed without a read (the pushed streams' check may read once).
     assert reads <= 1
+
+
+def test_a_stream_expected_before_its_job_exists_is_pushed_from_its_first_entry(
+    rig: Any, redis_url: str
+) -> None:
+    """A stream subscribed by `expect_push` before its job is enqueued (the router's enqueue of
+    a job placed on a worker that pushes): every step arrives by push, the first included; no
+    read names it, and the relay's own subscribe, while a read for another stream blocks, sends
+    no wake-up to bring that read back for it."""
+    r, publisher, intake = rig
+
+    async def run() -> tuple[list[int], int, int, bool]:
+        hub = StreamHub(RedisConfig(url=redis_url))
+        rid = uuid.uuid4().hex
+        stream = keys.request_stream(rid)
+        naming = 0  # reads sent that name the expected stream
+        command = hub._command
+
+        def counted(subs: list[Any]) -> bytes:
+            nonlocal naming
+            naming += any(sub.key_arg == _bulk(stream.encode()) for sub in subs)
+            return command(subs)
+
+        hub._command = counted  # type: ignore[method-assign]
+        await hub.start()
+        try:
+            deadline = time.monotonic() + 10
+            while not hub.pushing:
+                assert time.monotonic() < deadline, "the push channel was never subscribed"
+                await asyncio.sleep(0.01)
+            await hub.subscribe(keys.request_stream("read-" + rid))  # a read blocks for it
+            hub.expect_push(stream)
+            req = GenerationRequest(
+                request_id=rid,
+                model="m",
+                prompt_tokens=[1, 2, 3],
+                max_tokens=8,
+                relay_channel=hub.channel,
+            )
+            enqueue_raw(r, rid, {"request": req.to_wire()}, keys.worker_queue_name(WID))
+            (taken,) = await asyncio.to_thread(intake.take, 1, None)
+            feed = await hub.subscribe(stream)
+            got: list[int] = []
+            for seq in range(0, 10, 2):
+                await asyncio.to_thread(_step, publisher, taken, seq, 2, seq == 0)
+                await _collect(feed, seq + 2, got)
+            woken = int(r.exists(hub._wake_key))
+            return got, naming, woken, hub._subs[stream.encode()].pushed
+        finally:
+            await hub.stop()
+
+    got, naming, woken, pushed = asyncio.run(asyncio.wait_for(run(), 60))
+    assert got == list(range(10))
+    assert (naming, woken, pushed) == (0, 0, True)
+
+
+def test_a_job_whose_enqueue_fails_lets_its_expected_stream_go(redis_url: str) -> None:
+    """The dispatcher expects a push for a job placed on a worker that pushes, before the job's
+    transaction; a transaction Redis refuses (the worker's queue is not a list) leaves no
+    subscription behind, and one that lands keeps it for the relay."""
+    r = redis.Redis.from_url(redis_url)
+    config = RedisConfig(url=redis_url)
+
+    def job(relay_channel: str) -> GenerationRequest:
+        return GenerationRequest(
+            request_id=uuid.uuid4().hex,
+            model="m",
+            prompt_tokens=[1, 2, 3],
+            max_tokens=8,
+            relay_channel=relay_channel,
+        )
+
+    async def run() -> tuple[bool, bool]:
+        aredis = async_client(config)
+        batch = RedisBatch(aredis)
+        hub = StreamHub(config, batch)
+        await hub.start()
+        dispatcher = Dispatcher(
+            sync_redis=r,
+            aredis=aredis,
+            hub=hub,
+            job_timeout_s=60,
+            request_timeout_s=60,
+            ledger=None,  # type: ignore[arg-type]  # only the relay uses it
+            batch=batch,
+        )
+        try:
+            deadline = time.monotonic() + 10
+            while not hub.pushing:
+                assert time.monotonic() < deadline, "the push channel was never subscribed"
+                await asyncio.sleep(0.01)
+            queue = keys.rq_queue_key(keys.worker_queue_name(WID))
+            r.set(queue, "not a list")
+            refused = job(hub.channel)
+            with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+                await dispatcher.enqueue_all([(refused, WID)])
+            r.delete(queue)
+            landed = job(hub.channel)
+            await dispatcher.enqueue_all([(landed, WID)])
+            subs = hub._subs
+            gone = keys.request_stream(refused.request_id).encode() not in subs
+            kept = subs.get(keys.request_stream(landed.request_id).encode())
+            return gone, kept is not None and kept.pushed
+        finally:
+            await hub.stop()
+            await batch.stop()
+            await aredis.aclose()
+
+    assert asyncio.run(asyncio.wait_for(run(), 60)) == (True, True)
 
 
 def test_a_push_after_a_gap_falls_back_to_reads_and_each_entry_arrives_once(

@@ -103,7 +103,21 @@ class Dispatcher:
             commands = await anyio.to_thread.run_sync(self._jobs_commands, jobs)
         else:
             commands = self._jobs_commands(jobs)
-        await self.batch.transaction(commands)
+        # A job placed on a worker that pushes (router.relay.submit names the channel): its
+        # stream subscribed before the job exists, so the relay neither wakes the hub's read nor
+        # waits for one (the relay's own end unsubscribes it). A job for the shared queue may go
+        # to a worker that does not push: its stream is read.
+        pushed = [
+            keys.request_stream(req.request_id) for req, wid in jobs if req.relay_channel and wid
+        ]
+        for stream in pushed:
+            self.hub.expect_push(stream)
+        try:
+            await self.batch.transaction(commands)
+        except BaseException:
+            for stream in pushed:
+                self.hub.unsubscribe(stream)
+            raise
 
     def _jobs_commands(self, jobs: list[tuple[GenerationRequest, str]]) -> list[tuple[Any, ...]]:
         return [c for req, worker_id in jobs for c in self._job_commands(req, worker_id)]

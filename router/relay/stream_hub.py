@@ -7,7 +7,8 @@ batch costs the router one read and one wake-up per stream, not one per event.
 
 A blocked XREAD cannot learn of a new stream, so a new subscription XADDs to this process's own
 wake stream, which every read includes; a subscription made while the read in flight already
-names it (or while one wake is on its way) needs none.
+names it (or while one wake is on its way) needs none, and nor does one pushed from its first
+entry (below: `expect_push`).
 
 A worker that can also publishes each step's events to this process's channel
 (shared.keys.router_push; worker.broker.publisher.STEP_LUA), with the id of the entry before
@@ -333,11 +334,23 @@ class StreamHub:
         await self._pusher.aclose()
         await self._writer.aclose()
 
+    def expect_push(self, stream: str) -> None:
+        """A stream whose worker is told this process's channel, subscribed before its job is
+        enqueued (so before its first entry): every push follows what the hub has from the
+        first, and no read names it nor wakes for it. With the channel down, nothing (the relay's
+        subscribe reads it). Its owner unsubscribes it, also when the enqueue fails."""
+        key = stream.encode()
+        if self.pushing and key not in self._subs:
+            sub = self._subs[key] = _Subscription(key, self._deadlines)
+            sub.pushed = sub.mixed = True
+
     async def subscribe(self, stream: str) -> Feed:
         key = stream.encode()
         sub = self._subs.get(key)
         if sub is None:
             sub = self._subs[key] = _Subscription(key, self._deadlines)
+        elif sub.pushed:  # expected by push (expect_push): no read names it
+            return sub.feed
         woken = self._bring_back()
         if woken is not None:
             await woken
