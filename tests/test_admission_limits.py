@@ -116,7 +116,8 @@ def test_queued_prompt_tokens_are_bounded_until_a_worker_starts_them(redis_url: 
     assert ledger.reserve("big", 1000) is None  # alone in the queue: always admitted
     refused = ledger.reserve("next", 10)
     assert refused is not None and (refused.reason, refused.current) == ("tokens", 1000)
-    asyncio.run(ledger.started("big", "w1", 0))  # a worker took it: its tokens no longer wait
+    # A worker took it: its tokens no longer wait.
+    asyncio.run(_started(ledger, "big", "w1"))
     assert ledger.reserve("next", 100) is None
     assert ledger.reserve("more", 60) is not None  # 100 + 60 > 150
 
@@ -344,3 +345,8 @@ def test_one_long_tokenization_leaves_the_other_copies_free(tiny_model_dir: Path
         busy.join(5)
         waiter.join(5)
         assert not waiter.is_alive()
+
+
+async def _started(ledger: AdmissionLedger, request_id: str, worker_id: str) -> None:
+    """The start recorded, waited for (the relay does not wait for it)."""
+    await ledger.started(request_id, worker_id, 0)

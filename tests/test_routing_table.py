@@ -98,6 +98,35 @@ def test_a_start_elsewhere_moves_the_count_to_the_worker_that_took_it(redis_url:
     assert _place(ledger, "b", [9] * 40).worker_id == "w1"
 
 
+def test_a_start_is_not_waited_for_and_a_release_right_after_it_leaves_no_count(
+    redis_url: str,
+) -> None:
+    """The relay does not wait for a start's script (its first token goes on at once):
+    `started` returns with the script on its way, its effect lands (the count moves to the
+    worker that took it), and a release asked for at once after it leaves no count on either
+    worker."""
+    r = redis.Redis.from_url(redis_url)
+    _worker(r, "w1", holds=SYSTEM)
+    _worker(r, "w2")
+    ledger = _ledger(redis_url)
+    assert _place(ledger, "a", SYSTEM + [4] * 3).worker_id == "w1"
+
+    async def start_then_end() -> tuple[bool, tuple[dict[str, str], dict[str, str]]]:
+        recorded = ledger.started("a", "w2", 0)  # w2 stole it from w1's queue
+        answered = recorded.done()
+        await recorded
+        moved = _table(r)
+        await ledger.release("a")
+        return answered, moved
+
+    answered, moved = asyncio.run(start_then_end())
+    assert answered is False
+    assert moved == ({"a": "w2 0"}, {"w2": "1 0"})
+    assert _table(r) == ({}, {})
+    assert r.zscore(keys.worker_load("w2"), "a") is None
+    assert r.zscore(keys.worker_load("w1"), "a") is None
+
+
 def test_a_request_taken_off_the_shared_queue_counts_on_its_taker(redis_url: str) -> None:
     r = redis.Redis.from_url(redis_url)
     ledger = _ledger(redis_url)
@@ -204,7 +233,7 @@ def test_a_worker_listed_by_the_first_block_but_holding_nothing_matches_nothing(
     _worker(r, "w2")
     ledger = _ledger(redis_url)
     wid = _place(ledger, "a", SYSTEM + [1] * 5).worker_id
-    asyncio.run(ledger.started("a", wid, 0))
+    asyncio.run(_started(ledger, "a", wid))
     r.delete(keys.worker_routed(wid))  # as the reaper does
     assert r.zscore(_first(SYSTEM), wid) is not None
     again = _place(ledger, "b", SYSTEM + [2] * 5)
@@ -236,3 +265,8 @@ def test_an_entry_whose_reservation_went_elsewhere_is_taken_off(redis_url: str) 
     assert _place(ledger, "b", [2] * 20).worker_id == "w1"
     assert _table(r) == ({"b": "w1 20"}, {"w1": "1 20"})
     assert r.zrange(keys.worker_load("w1"), 0, -1) == [b"b"]
+
+
+async def _started(ledger: AdmissionLedger, request_id: str, worker_id: str) -> None:
+    """The start recorded, waited for (the relay does not wait for it)."""
+    await ledger.started(request_id, worker_id, 0)

@@ -251,32 +251,45 @@ class AdmissionLedger:
             self._marks[call.request_id] = (reply.worker_id, reply.mark_score, members)
         return reply
 
-    async def started(self, request_id: str, worker_id: str, cached_tokens: int) -> None:
+    def started(self, request_id: str, worker_id: str, cached_tokens: int) -> asyncio.Future[None]:
         """A worker started the request: its prompt tokens are no longer waiting; the placement
         follows the worker that took it (a stealing peer, or any worker off the shared queue),
-        and what it reused is counted beside what the router predicted."""
+        and what it reused is counted beside what the router predicted. The script goes out in
+        the command batch's next write, ahead of any command asked for later (the request's
+        release among them), so the relay sends the first token without waiting for its reply;
+        the future returned is done once Redis answered (a failure is logged, not raised)."""
         placed = self._held.get(request_id, "")
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if not worker_id:
-            return
+            done.set_result(None)
+            return done
         self._held[request_id] = worker_id
         observe_start(worker_id, cached_tokens)
-        try:
-            await self.batch.script(
-                self._started,
-                keys=[
-                    keys.admission_queued_tokens(),
-                    keys.worker_prefill(placed) if placed else "",
-                    keys.worker_load(placed) if placed else "",
-                    keys.worker_load(worker_id),
-                    keys.admission_inflight(),
-                    keys.routing_stats(),
-                    keys.routing_placed(),
-                    keys.routing_load(),
-                ],
-                args=[request_id, keys.ROUTED_TTL_S * 1000, worker_id, cached_tokens, placed],
-            )
-        except redis.RedisError:
-            log.warning("could not record the start of %s", request_id, exc_info=True)
+        reply = self.batch.script(
+            self._started,
+            keys=[
+                keys.admission_queued_tokens(),
+                keys.worker_prefill(placed) if placed else "",
+                keys.worker_load(placed) if placed else "",
+                keys.worker_load(worker_id),
+                keys.admission_inflight(),
+                keys.routing_stats(),
+                keys.routing_placed(),
+                keys.routing_load(),
+            ],
+            args=[request_id, keys.ROUTED_TTL_S * 1000, worker_id, cached_tokens, placed],
+        )
+
+        def answered(reply: asyncio.Future[Any]) -> None:
+            if not reply.cancelled() and reply.exception() is not None:
+                log.warning(
+                    "could not record the start of %s", request_id, exc_info=reply.exception()
+                )
+            if not done.done():
+                done.set_result(None)
+
+        reply.add_done_callback(answered)
+        return done
 
     async def release(self, request_id: str) -> None:
         # Open before the release too: once Redis has applied it, a request this process takes

@@ -241,7 +241,8 @@ class Dispatcher:
                                 break
                             if kind == "start" and not started:
                                 started = True
-                                await self.ledger.started(
+                                # Its reply is not waited for: the first token goes on now.
+                                self.ledger.started(
                                     gen.request_id, event.worker_id or "", event.cached_tokens
                                 )
                             elif kind == "delta":
