@@ -228,7 +228,7 @@ def main() -> int:
     args = p.parse_args()
     requests, repeats = (6, 1) if args.quick else (args.requests, args.repeats)
     requests = max(requests, args.streams)
-    machine = announce()
+    machine = announce(send_costs=True)
     model_dir = bench_model_dir()
     count = WARMUP_REQUESTS + requests
     prompts = distinct_prompts(load_hf_tokenizer(model_dir), count, PROMPT_TOKENS)

@@ -518,7 +518,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    machine = announce()
+    machine = announce(send_costs=True)
     results = Results("pool_throughput")
     model_dir = bench_model_dir()
     tokenizer = load_hf_tokenizer(model_dir)

@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     output_args(p, "write the numbers here", work_dir=False)
     args = p.parse_args(argv)
     args.seconds = args.seconds or (3.0 if args.quick else 6.0)
-    machine = announce()
+    machine = announce(send_costs=True)
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.push]
     outs = []
     for push in modes:

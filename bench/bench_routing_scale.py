@@ -943,7 +943,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     plan = Plan.of(args)
-    announce()
+    announce(send_costs=True)
     model_dir = tiny_model_dir()
     print(f"# load average before: {' '.join(f'{x:.2f}' for x in psutil.getloadavg())}")
     print(

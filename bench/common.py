@@ -34,6 +34,7 @@ blas.preload_openblas()  # before anything below imports mlx
 
 import aiohttp  # noqa: E402
 import httpx  # noqa: E402
+from wake_cost import wake_cost_line  # noqa: E402
 
 from devmodel import corpus  # noqa: E402
 from mlxcel_pool.redis_server import free_port  # noqa: E402
@@ -348,11 +349,15 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-def announce() -> str:
+def announce(send_costs: bool = False) -> str:
     """Print the run's header (the machine line, and the lock hint on stderr); returns the
-    machine line for the results file."""
+    machine line for the results file. `send_costs`: also the line of what a loopback send
+    costs here (bench/wake_cost.py), for a benchmark whose figures rest on processes waking
+    each other."""
     machine = machine_line()
     print(f"# {machine}", flush=True)
+    if send_costs:
+        print(f"# {wake_cost_line()}", flush=True)
     print(f"# {LOCK_HINT}", file=sys.stderr)
     return machine
 
