@@ -280,10 +280,10 @@ class AdmissionLedger:
             args=[request_id, keys.ROUTED_TTL_S * 1000, worker_id, cached_tokens, placed],
         )
 
-        def answered(reply: asyncio.Future[Any]) -> None:
-            if not reply.cancelled() and reply.exception() is not None:
+        def answered(sent: asyncio.Future[Any]) -> None:
+            if not sent.cancelled() and sent.exception() is not None:
                 log.warning(
-                    "could not record the start of %s", request_id, exc_info=reply.exception()
+                    "could not record the start of %s", request_id, exc_info=sent.exception()
                 )
             if not done.done():
                 done.set_result(None)
