@@ -48,7 +48,9 @@ def send_costs_us() -> tuple[float, float, float]:
         port = server.getsockname()[1]
         reader = subprocess.Popen([sys.executable, "-c", READER, str(port)])
         try:
+            server.settimeout(30)  # a reader that never connects fails the probe, not hangs it
             conn, _ = server.accept()
+            conn.settimeout(None)
             with conn:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 _sends(conn, 200, 0.0)  # warm

@@ -34,6 +34,7 @@ from shared.wire import MsgpackSerializer
 from tests.pool_fixture import running_pool, wait_for
 from tests.streams import SHARED_QUEUE
 from tests.test_router_validation import RouterServer, router_settings
+from tests.test_routing_ledger import _started
 
 # --- the ledger alone, on a real Redis ------------------------------------------------------------
 
@@ -345,8 +346,3 @@ def test_one_long_tokenization_leaves_the_other_copies_free(tiny_model_dir: Path
         busy.join(5)
         waiter.join(5)
         assert not waiter.is_alive()
-
-
-async def _started(ledger: AdmissionLedger, request_id: str, worker_id: str) -> None:
-    """The start recorded, waited for (the relay does not wait for it)."""
-    await ledger.started(request_id, worker_id, 0)

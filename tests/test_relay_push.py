@@ -45,6 +45,14 @@ def _xreads(r: redis.Redis) -> int:
     return int(r.info("commandstats").get("cmdstat_xread", {}).get("calls", 0))
 
 
+async def _pushing(hub: StreamHub) -> None:
+    """Until the hub's push channel is subscribed (a router names it to workers only then)."""
+    deadline = time.monotonic() + 10
+    while not hub.pushing:
+        assert time.monotonic() < deadline, "the push channel was never subscribed"
+        await asyncio.sleep(0.01)
+
+
 async def _collect(feed: Feed, want: int, got: list[int]) -> None:
     while len(got) < want:
         assert await feed.wait(10.0), f"only {got} arrived"
@@ -60,10 +68,7 @@ def _run(rig: Any, redis_url: str, body: Any) -> Any:
         try:
             # Subscribed first, as a router names its channel only then (a push published
             # before the subscription reaches Redis goes to no one).
-            deadline = time.monotonic() + 10
-            while not hub.pushing:
-                assert time.monotonic() < deadline, "the push channel was never subscribed"
-                await asyncio.sleep(0.01)
+            await _pushing(hub)
             enqueue(r, [1, 2, 3], queue=keys.worker_queue_name(WID), relay_channel=hub.channel)
             (taken,) = await asyncio.to_thread(intake.take, 1, None)
             assert taken.request is not None and taken.request.relay_channel == hub.channel
@@ -131,10 +136,7 @@ def test_a_stream_expected_before_its_job_exists_is_pushed_from_its_first_entry(
         hub._command = counted  # type: ignore[method-assign]
         await hub.start()
         try:
-            deadline = time.monotonic() + 10
-            while not hub.pushing:
-                assert time.monotonic() < deadline, "the push channel was never subscribed"
-                await asyncio.sleep(0.01)
+            await _pushing(hub)
             await hub.subscribe(keys.request_stream("read-" + rid))  # a read blocks for it
             hub.expect_push(stream)
             req = GenerationRequest(
@@ -192,10 +194,7 @@ def test_a_job_whose_enqueue_fails_lets_its_expected_stream_go(redis_url: str) -
             batch=batch,
         )
         try:
-            deadline = time.monotonic() + 10
-            while not hub.pushing:
-                assert time.monotonic() < deadline, "the push channel was never subscribed"
-                await asyncio.sleep(0.01)
+            await _pushing(hub)
             queue = keys.rq_queue_key(keys.worker_queue_name(WID))
             r.set(queue, "not a list")
             refused = job(hub.channel)

@@ -413,3 +413,8 @@ def test_a_worker_that_lists_itself_is_found_by_the_holders_of_the_first_block(
     # With w1 unlisted, nothing finds the prefix (w2's block set is never read for it).
     r.srem(holders, "w1")
     assert _place(ledger, "b", SYSTEM + [2] * 5).outcome == "load"
+
+
+async def _started(ledger: AdmissionLedger, request_id: str, worker_id: str) -> None:
+    """The start recorded, waited for (the relay does not wait for it)."""
+    await ledger.started(request_id, worker_id, 0)

@@ -14,7 +14,15 @@ from router.placement.ledger import AdmissionLedger
 from router.placement.place_call import Placement, Refusal
 from shared import keys
 from shared.liveness import min_alive_pttl_ms
-from tests.test_routing_ledger import MODEL, SYSTEM, _ledger, _members, _place, _worker
+from tests.test_routing_ledger import (
+    MODEL,
+    SYSTEM,
+    _ledger,
+    _members,
+    _place,
+    _started,
+    _worker,
+)
 
 
 def _table(r: redis.Redis) -> tuple[dict[str, str], dict[str, str]]:
@@ -265,8 +273,3 @@ def test_an_entry_whose_reservation_went_elsewhere_is_taken_off(redis_url: str) 
     assert _place(ledger, "b", [2] * 20).worker_id == "w1"
     assert _table(r) == ({"b": "w1 20"}, {"w1": "1 20"})
     assert r.zrange(keys.worker_load("w1"), 0, -1) == [b"b"]
-
-
-async def _started(ledger: AdmissionLedger, request_id: str, worker_id: str) -> None:
-    """The start recorded, waited for (the relay does not wait for it)."""
-    await ledger.started(request_id, worker_id, 0)
