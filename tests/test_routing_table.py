@@ -109,7 +109,7 @@ def test_a_start_elsewhere_moves_the_count_to_the_worker_that_took_it(redis_url:
 def test_a_start_is_not_waited_for_and_a_release_right_after_it_leaves_no_count(
     redis_url: str,
 ) -> None:
-    """The relay does not wait for a start's script (its first token goes on at once):
+    """The relay does not wait for a start's script (it goes on at once):
     `started` returns with the script on its way, its effect lands (the count moves to the
     worker that took it), and a release asked for at once after it leaves no count on either
     worker."""

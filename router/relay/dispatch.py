@@ -241,7 +241,7 @@ class Dispatcher:
                                 break
                             if kind == "start" and not started:
                                 started = True
-                                # Its reply is not waited for: the first token goes on now.
+                                # Its reply is not waited for: the relay goes on at once.
                                 self.ledger.started(
                                     gen.request_id, event.worker_id or "", event.cached_tokens
                                 )
