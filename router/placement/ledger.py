@@ -256,8 +256,8 @@ class AdmissionLedger:
         follows the worker that took it (a stealing peer, or any worker off the shared queue),
         and what it reused is counted beside what the router predicted. The script goes out in
         the command batch's next write, ahead of any command asked for later (the request's
-        release among them), so the relay goes on without waiting for its reply;
-        the future returned is done once Redis answered (a failure is logged, not raised)."""
+        release among them), so the relay goes on without waiting for its reply; the future
+        returned is done once Redis answered (a failure is logged, not raised)."""
         placed = self._held.get(request_id, "")
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if not worker_id:
