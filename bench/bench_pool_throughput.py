@@ -542,7 +542,10 @@ def main(argv: list[str] | None = None) -> int:
         mlx_lm_server(model_dir, server_args) as srv,
     ):
         turn = same_gemv_turn(pool_url)
-        print(f"# pool worker and engine: products of up to {turn} rows to gemv")
+        if turn is None:
+            print("# the pool's worker reported no gemv turn: the engine side keeps its own rows")
+        else:
+            print(f"# pool worker and engine: products of up to {turn} rows to gemv")
         sides = Sides(engine, pool_url, srv, model_dir.name, tokenizer, load)
         for m, sampling in enumerate(samplings):
             warm_up(sides, tokenizer, sampling)

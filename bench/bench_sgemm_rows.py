@@ -102,7 +102,7 @@ model, _ = load(sys.argv[1])
 cpu_ops.install(model)
 names = sys.argv[2].split(",")
 context, pairs = int(sys.argv[3]), int(sys.argv[4])
-out = {"rows": {}, "ms": {}, "ratio": {}, "pad": {}}
+out = {"ms": {}, "ratio": {}}
 if any(n.split("/")[0] == "auto" for n in names):
     turn = gemv_turn.probe(model)
     out.update(turn=turn.rows, ratios=turn.ratios, probe_s=turn.seconds)

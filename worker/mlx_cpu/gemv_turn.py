@@ -1,20 +1,19 @@
 """How many rows a product may have and still go to gemv on this host, for this model: measured
 once at load, in whole decode steps, and kept per host.
 
-Where gemv a row stops beating OpenBLAS's gemm depends on the CPU and on the model's product
-shapes (bench_sgemm_rows.py put it at eight rows on one AMD EPYC, six on an Intel Xeon, about
-five on another AMD EPYC), and a probe of the products alone called it wrong: only a whole step,
-with the model's own products back to back, tells. So with `MLXCEL_GEMV_ROWS` unset (or `auto`)
-the worker times decode steps of 2 to MAX_ROWS sequences, each step alternately with that many
-rows through gemv and through gemm (`sgemm_rows.set_rows`, in the same process, on the same
-cache), and sends to gemv the row counts up to the first that gemv does not win by WIN_MARGIN
-(a loss is timed twice before it ends the probe). One row always goes to gemv (no machine
-measured gemm faster there: it packs the whole weight matrix for one row). The turn is kept in
+Where gemv a row stops beating OpenBLAS's gemm depends on the CPU and on the model's product shapes
+(bench/README.md, bench_sgemm_rows.py), and a probe of the products alone called it wrong: only a
+whole step, with the model's own products back to back, tells. So with `MLXCEL_GEMV_ROWS` unset (or
+`auto`) the worker times decode steps of 2 to MAX_ROWS sequences, each step alternately with that
+many rows through gemv and through gemm (`sgemm_rows.set_rows`, in the same process, on the same
+cache), and sends to gemv the row counts up to the first that gemv does not win by WIN_MARGIN (a
+loss is timed twice before it ends the probe). One row always goes to gemv (no machine measured gemm
+faster there: it packs the whole weight matrix for one row). The turn is kept in
 `<MLXCEL_CACHE_DIR>/gemv_turn/` under a key of everything it depends on (the CPU, the cores this
 process may use, the BLAS library and its thread settings, the interposer's source, the gemm
-padding, MLX's version, the model's config), so only a host's first start of a model pays for
-the probe; workers starting together on one host take turns (a file lock), and those after the
-first read its turn.
+padding, MLX's version, the model's config), so only a host's first start of a model pays for the
+probe; workers starting together on one host take turns (a file lock), and those after the first
+read its turn.
 
 This module imports mlx only inside `probe` (the caller has preloaded OpenBLAS).
 """

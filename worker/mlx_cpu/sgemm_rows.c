@@ -121,8 +121,8 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
       return;
     }
     const int pad = __atomic_load_n(&pad_to, __ATOMIC_RELAXED);
-    /* At least five eighths of a tile past a multiple: 10-15 rows past one for 16. Half a tile
-     * (8, 24, 40) and 9 read slower padded, 10-12 faster (bench/README.md, --paired). */
+    /* At least five eighths of a tile past a multiple: 10-15 rows past one for 16. Fewer rows
+     * past one read slower padded than not (bench/README.md, bench_sgemm_rows.py --paired). */
     if (pad && trans_a == NO_TRANS && m < PAD_MAX_ROWS && 8 * (m % pad) >= 5 * pad) {
       const int mp = (m / pad + 1) * pad;
       if ((long)mp * n <= PAD_MAX_FLOATS &&

@@ -34,10 +34,9 @@ from pathlib import Path
 ROWS_ENV = "MLXCEL_GEMV_ROWS"
 AUTO = "auto"  # MLXCEL_GEMV_ROWS's value for the measured turn (as unset)
 PAD_ENV = "MLXCEL_GEMM_PAD"
-# Where gemv a row stops beating OpenBLAS 0.3.21's gemm depends on the CPU (eight rows on one
-# AMD EPYC, six on an Intel Xeon with AVX-512, about five on another AMD EPYC; by sixteen gemm's
-# one pass is the faster on all: bench/README.md, bench_sgemm_rows.py): a worker measures it
-# (gemv_turn.py); this serves until then, and in processes that do not measure.
+# Where gemv a row stops beating OpenBLAS 0.3.21's gemm depends on the CPU (bench/README.md,
+# bench_sgemm_rows.py): a worker measures it (gemv_turn.py); this serves until then, and in
+# processes that do not measure.
 DEFAULT_ROWS = 8
 # OpenBLAS's float32 gemm tiles are 16 rows tall on the x86-64 kernels measured (12 rows padded
 # to 16 was the faster on both CPUs).
