@@ -17,12 +17,14 @@ worker's family, the rest match nothing. Each reservation is released right afte
 ledger's own keys and arguments), so INFO commandstats' EVALSHA line times the placement script
 alone. Reported: p50/p99 of reserve's round trip, the script's own Redis time per call, and Redis
 CPU per reserve + release (INFO cpu used_cpu_sys + used_cpu_user, less Redis's idle rate measured
-just before), with the outcomes. 2. Relay cost: streaming /v1/completions (token-id prompts of the
-same shape) from `--streams` (32) closed-loop clients, a synthetic step every 20 ms with 1 token (50
-tokens/s a stream), in two windows after a warm-up: max_tokens 1, then max_tokens 32..96 (64 on
-average). The router's CPU (psutil: its process and children) and Redis's are split into a cost per
-routed request and one per relayed token by solving cpu = a * requests + b * tokens over the two
-windows.
+just before), with the outcomes; and the floor, right after the first pass: the same calls (their
+arguments built and sent, the reply parsed) to a script that only answers, timed the same way, so
+the p99 shows what this machine's round trip holds before any placing. 2. Relay cost: streaming
+/v1/completions (token-id prompts of the same shape) from `--streams` (32) closed-loop clients, a
+synthetic step every 20 ms with 1 token (50 tokens/s a stream), in two windows after a warm-up:
+max_tokens 1, then max_tokens 32..96 (64 on average). The router's CPU (psutil: its process and
+children) and Redis's are split into a cost per routed request and one per relayed token by solving
+cpu = a * requests + b * tokens over the two windows.
 
 Then, all workers up, the relay curve: streams of max_tokens 128..384 (256 on average) at rising
 concurrency (8, 32, 128, 256; --quick 16, 64), the workers now emitting 4 tokens (4 delta
@@ -62,8 +64,8 @@ import redis
 import redis.asyncio as aioredis
 from common import REPO, announce, output_args, table, tiny_model_dir, write_json
 
-from router.placement.ledger import RELEASE_LUA, AdmissionLedger
-from router.placement.place_call import Placement
+from router.placement.ledger import PLACE_KEYS, RELEASE_LUA, AdmissionLedger
+from router.placement.place_call import Placement, parse_reply
 from shared import keys
 from shared.block_hash import BlockHasher, CacheNamespace, index_members
 from shared.config import Settings, load_settings
@@ -79,6 +81,8 @@ WARMUP_DECISIONS = 20
 # Reservations a worker holds while the second pass is timed: with 1-2 requests' routed marks
 # (64-128 members) a worker's routed zset is still a listpack, where ZMSCORE scans.
 HELD_PER_WORKER = 2
+# The floor's script: the placement reply's shape (admitted to the shared queue), no work.
+NOOP_PLACE_LUA = "return {1, 'no_worker', '', 0, 0, 0, 0, 0}"
 BODIES = 512  # distinct request bodies per setting, cycled
 DEFAULT_STEP_MS = 20.0  # synthetic decode step (50 tokens/s a stream) while workers double
 # The relay curve: 100 tokens/s a stream, as 4 tokens (4 delta events: the router still relays
@@ -355,6 +359,8 @@ class Decisions:
     idle: Pass  # nothing else in flight
     held: int  # reservations held during the second pass (their load, their routed marks)
     loaded: Pass
+    # The first pass's calls to a script that only answers, right after it: p50, p99 ms.
+    floor: tuple[float, float] = (float("nan"), float("nan"))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -382,6 +388,25 @@ def reserve(ledger: AdmissionLedger, rid: str, members: list[bytes]) -> Placemen
     if not isinstance(placed, Placement):
         raise RuntimeError(f"a decision was refused: {placed}")
     return placed
+
+
+def floor_call(ledger: AdmissionLedger, noop: Any, members: list[bytes]) -> float:
+    """Seconds for reserve's call to the do-nothing script: its arguments built, the call, the
+    reply parsed (what reserve does but place)."""
+    t0 = time.perf_counter()
+    call = ledger._place_call(uuid.uuid4().hex, PROMPT_TOKENS, MODEL, ())
+    parse_reply(noop(keys=PLACE_KEYS, args=call.argv(members)))
+    return time.perf_counter() - t0
+
+
+def floor_pass(
+    ledger: AdmissionLedger, r: redis.Redis, cases: list[tuple[list[bytes], str]]
+) -> tuple[float, float]:
+    """(p50, p99) ms of the cases' calls to the do-nothing script, one after another."""
+    noop = r.register_script(NOOP_PLACE_LUA)
+    floor_call(ledger, noop, cases[0][0])  # loads the script (NOSCRIPT once)
+    took = [floor_call(ledger, noop, members) for members, _ in cases]
+    return percentile(took, 50) * 1000, percentile(took, 99) * 1000
 
 
 def timed_pass(
@@ -438,6 +463,7 @@ def time_decisions(
         release_eval(ledger, r, rid)
     idle = idle_rate(r)
     quiet = timed_pass(ledger, r, cases, idle)
+    floor = floor_pass(ledger, r, cases)
     held = [uuid.uuid4().hex for _ in range(HELD_PER_WORKER * len(wids))]
     for rid in held:
         reserve(ledger, rid, prompts.members(prompts.prompt(wids)[0]))
@@ -446,7 +472,8 @@ def time_decisions(
     finally:
         for rid in held:
             release_eval(ledger, r, rid)
-    return Decisions(len(wids), blocks, n, percentile(hash_s, 50) * 1e6, quiet, len(held), loaded)
+    hash_us = percentile(hash_s, 50) * 1e6
+    return Decisions(len(wids), blocks, n, hash_us, quiet, len(held), loaded, floor)
 
 
 # --- 2. relaying -----------------------------------------------------------------------------
@@ -759,6 +786,7 @@ def print_report(run: Run) -> None:
                 d.blocks,
                 f"{q.p50_ms:.3f}",
                 f"{q.p99_ms:.3f}",
+                f"{d.floor[0]:.3f} / {d.floor[1]:.3f}",
                 f"{q.script_us:.0f}",
                 f"{q.redis_cpu_ms:.3f}",
                 mix,
@@ -778,6 +806,7 @@ def print_report(run: Run) -> None:
                 "blocks/worker",
                 "p50 ms",
                 "p99 ms",
+                "floor p50 / p99",
                 "script us",
                 "Redis CPU ms",
                 "cache/load/spill",
@@ -796,7 +825,9 @@ def print_report(run: Run) -> None:
     print(
         "(left: nothing else in flight; right of `held`: the same decisions while that many "
         f"reservations are held, {HELD_PER_WORKER} a worker. p50/p99: reserve's round trip "
-        "from Python; script us: Redis's own time in the placement script a call (INFO "
+        "from Python; floor: the same calls right after to a script that only answers (the "
+        "machine's round trip before any placing); script us: Redis's own time in the "
+        "placement script a call (INFO "
         "commandstats); Redis CPU ms: INFO cpu per reserve + release, less Redis's idle "
         "rate; on family: family prompts placed on the worker holding it. Hashing a "
         f"prompt's 64 blocks before: p50 {min(hash_us):.0f}-{max(hash_us):.0f} us)"
