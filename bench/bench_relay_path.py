@@ -13,10 +13,14 @@ reads.
 `--push on` makes each writer's step one script that also publishes its streams' events to the
 hub's channel, as a worker's step script does for a router that named it
 (`worker.broker.publisher.STEP_LUA`): the hub takes the pushes and reads nothing a token.
-`--push both` measures reads, then pushes, in one run, and prints their ratio.
+`--push both` measures reads, then pushes, in one run, and prints their ratio. `--writers 1,64`
+measures each count in turn in one run and prints what a step's wake-up costs this process: each
+writer's step is one push (one read) woken apart from the others', so the CPU a second beyond the
+first count's, over the extra steps a second, is what one more step costs (`--tokens` a stream
+each, its streams fewer).
 
     flock /tmp/mlxcel-bench.lock .venv/bin/python bench/bench_relay_path.py [--quick]
-        [--streams 128] [--step-ms 40] [--tokens 4] [--writers 1] [--seconds 6]
+        [--streams 128] [--step-ms 40] [--tokens 4] [--writers 1[,64]] [--seconds 6]
         [--push off|on|both] [--json out.json]
 
 About 10 s, --quick (a 3 s window) about 6. What bench_routing_scale.py's relay curve adds to
@@ -138,7 +142,9 @@ async def reader(hub: StreamHub, i: int, counts: list[int]) -> None:
         counts[0] += len(batch)
 
 
-async def measure(url: str, args: argparse.Namespace, push: bool = False) -> dict[str, Any]:
+async def measure(
+    url: str, args: argparse.Namespace, writers: int, push: bool = False
+) -> dict[str, Any]:
     hub = StreamHub(RedisConfig(url=url))
     await hub.start()
     counts = [0]
@@ -146,7 +152,7 @@ async def measure(url: str, args: argparse.Namespace, push: bool = False) -> dic
     step_s, n = args.step_ms / 1000, args.streams
     channel = hub.channel if push else ""
     proc = multiprocessing.get_context("spawn").Process(
-        target=writer, args=(url, n, step_s, args.tokens, args.writers, channel), daemon=True
+        target=writer, args=(url, n, step_s, args.tokens, writers, channel), daemon=True
     )
     proc.start()
     try:
@@ -167,7 +173,8 @@ async def measure(url: str, args: argparse.Namespace, push: bool = False) -> dic
     return {
         "push": push,
         "streams": n,
-        "writers": args.writers,
+        "writers": writers,
+        "steps_s": writers / step_s,
         "offered_tok_s": n * args.tokens / step_s,
         "relayed_tok_s": relayed / wall,
         "cores": cpu / wall,
@@ -177,12 +184,26 @@ async def measure(url: str, args: argparse.Namespace, push: bool = False) -> dic
     }
 
 
+def wake_cost_line(base: dict[str, Any], more: dict[str, Any]) -> str:
+    """What a writer's step costs this process beyond the tokens it brings: the CPU a second
+    past `base`'s over the steps a second past its, both runs relaying the same tokens."""
+    extra_steps = more["steps_s"] - base["steps_s"]
+    extra_cpu_us = (more["cores"] - base["cores"]) * 1e6
+    per_step = extra_cpu_us / extra_steps if extra_steps else float("nan")
+    return (
+        f"{'pushed' if more['push'] else 'read'}, {more['writers']} writers against "
+        f"{base['writers']}: {more['us_per_token'] / base['us_per_token']:.2f}x the CPU a token; "
+        f"a step's wake-up costs {per_step:.1f} us ({extra_steps:.0f} more steps a second, "
+        f"{more['cores'] - base['cores']:+.3f} cores)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--streams", type=int, default=128)
     p.add_argument("--step-ms", type=float, default=40.0)
     p.add_argument("--tokens", type=int, default=4, help="delta events a stream a step")
-    p.add_argument("--writers", type=int, default=1, help="workers writing the streams")
+    p.add_argument("--writers", default="1", help="workers writing the streams (1,64: each)")
     p.add_argument("--seconds", type=float, default=None, help="the window (6; --quick 3)")
     p.add_argument("--push", choices=("off", "on", "both"), default="off")
     p.add_argument("--quick", action="store_true")
@@ -191,11 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     args.seconds = args.seconds or (3.0 if args.quick else 6.0)
     machine = announce(send_costs=True)
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.push]
+    counts = [int(n) for n in args.writers.split(",")]
     outs = []
-    for push in modes:
-        server = start_redis()  # each mode its own Redis: nothing of the last one left
+    for push, writers in [(push, w) for push in modes for w in counts]:
+        server = start_redis()  # each run its own Redis: nothing of the last one left
         try:
-            out = uvloop.run(measure(server.url, args, push))
+            out = uvloop.run(measure(server.url, args, writers, push))
         finally:
             server.stop()
         outs.append(out)
@@ -207,8 +229,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{out['reads_s']:.0f} hub reads a second",
             flush=True,
         )
-    if len(outs) == 2:
+    if len(modes) == 2 and len(counts) == 1:
         print(f"pushed/read CPU a token: {outs[1]['us_per_token'] / outs[0]['us_per_token']:.3f}")
+    for push in modes:
+        runs = [o for o in outs if o["push"] == push]
+        for more in runs[1:]:
+            print(wake_cost_line(runs[0], more), flush=True)
     write_json(
         args.json,
         {"machine": machine, "runs": outs} if len(outs) > 1 else {"machine": machine, **outs[0]},
