@@ -359,8 +359,7 @@ class Decisions:
     idle: Pass  # nothing else in flight
     held: int  # reservations held during the second pass (their load, their routed marks)
     loaded: Pass
-    # The first pass's calls to a script that only answers, right after it: p50, p99 ms.
-    floor: tuple[float, float] = (float("nan"), float("nan"))
+    floor: tuple[float, float]  # p50, p99 ms of the first pass's calls to a do-nothing script
 
 
 def percentile(values: list[float], q: float) -> float:
