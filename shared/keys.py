@@ -34,6 +34,7 @@ script (Redis time there grows with the number of calls).
 | `mlxcel:routing:first:<block>` | zset | routers: workers a first block went to | ROUTED_TTL_S |
 | `mlxcel:routing:holders:<block>` | set | workers: those holding a first block | HOLDERS_TTL_S |
 | `mlxcel:routing:facts` | hash | routers: each worker's model and cache settings | none |
+| `mlxcel:routing:live:<model>` | string | routers: live workers, as last read | LIVE_CACHE_MS |
 | `mlxcel:supervisor:restarts` | hash | supervisors: worker id -> restarts | none: counters |
 | `mlxcel:routing:canary` | hash | routers and workers: model id -> canary hash | none |
 | `mlxcel:routing:rr` | string | routers: the round-robin cursor | none |
@@ -77,6 +78,10 @@ ROUTED_TTL_S = 30
 # A first block's holders set lives this long past the last worker that listed itself there or
 # the last placement that found a holder in it: the entries of a worker's earlier life lapse.
 HOLDERS_TTL_S = 86_400
+# A model's live workers, as a decision last read them, serve the decisions this soon after: a
+# decision then reads its chosen worker's liveness alone (and all again when it fails), the
+# roster's size, and every worker's load, instead of every worker's alive key and facts.
+LIVE_CACHE_MS = 250
 
 # rq queue names (rq builds `rq:queue:<name>` itself).
 QUEUE_PREFIX = "mlxcel"
@@ -240,6 +245,12 @@ def routing_facts() -> str:
     return f"{PREFIX}:routing:facts"
 
 
+def routing_live(model: str) -> str:
+    """The model's live workers as the placement script last found them (cmsgpack: the roster's
+    size then, and each worker's id, epoch and cache settings), for LIVE_CACHE_MS."""
+    return f"{PREFIX}:routing:live:{model}"
+
+
 def routing_first(block_hex: str) -> str:
     """The workers sent a prompt starting with this block (the hex of its index member), each
     scored like its mark in worker_routed: one read finds them all."""
@@ -322,6 +333,8 @@ def parse_key(key: str) -> ParsedKey:
         return ParsedKey("routing", "", parts[2])
     if len(parts) == 4 and parts[1] == "routing" and parts[2] in ("first", "holders") and parts[3]:
         return ParsedKey("routing", parts[3], parts[2])
+    if len(parts) >= 4 and parts[1] == "routing" and parts[2] == "live" and parts[3]:
+        return ParsedKey("routing", ":".join(parts[3:]), "live")  # a model id may hold ':'
     if parts[1:] == ["supervisor", "restarts"]:
         return ParsedKey("supervisor", "", "restarts")
     if len(parts) == 5 and parts[1] == "worker" and parts[2] and parts[3] == "blocks" and parts[4]:

@@ -118,6 +118,8 @@ def test_mlxcel_keys_parse_back(name: str) -> None:
         assert keys.routing_first(parsed.ident) == key
     elif parsed.kind == "routing" and parsed.part == "holders":
         assert keys.routing_holders(parsed.ident) == key
+    elif parsed.kind == "routing" and parsed.part == "live":
+        assert keys.routing_live(parsed.ident) == key
     elif parsed.kind == "routing":
         built = {
             "stats": keys.routing_stats,

@@ -415,6 +415,49 @@ def test_a_worker_that_lists_itself_is_found_by_the_holders_of_the_first_block(
     assert _place(ledger, "b", SYSTEM + [2] * 5).outcome == "load"
 
 
+def _listing(r: redis.Redis, wid: str, epoch: str = "e1", holds: list[int] | None = None) -> None:
+    """A worker that writes its alive key (and lists itself under the first blocks it holds)."""
+    _worker(r, wid, epoch=epoch, holds=holds)
+    r.set(keys.worker_alive(wid), epoch, px=alive_ttl_ms())
+    if holds:
+        r.sadd(keys.routing_holders(_members(holds)[0].hex()), wid)
+
+
+def test_a_kept_live_list_never_places_on_a_worker_gone_since(redis_url: str) -> None:
+    """A decision keeps the model's live workers for the next ones (keys.LIVE_CACHE_MS); the one
+    it would choose from them is read again, so a worker whose alive key lapsed meanwhile is not
+    chosen, and the list is read anew."""
+    r = redis.Redis.from_url(redis_url)
+    _listing(r, "w1")
+    _listing(r, "w2")
+    ledger = _ledger(redis_url)
+    assert _place(ledger, "a", [7] * 40).worker_id == "w1"
+    assert r.pttl(keys.routing_live(MODEL)) > 0  # kept for the next decisions
+    # w2, the least loaded now, died: its alive key lapsed, its info hash is past its time; the
+    # roster still names it.
+    r.delete(keys.worker_alive("w2"))
+    r.pexpire(keys.worker_info("w2"), min_alive_pttl_ms() - 1000)
+    assert _place(ledger, "b", [8] * 40).worker_id == "w1"
+
+
+def test_a_kept_live_list_sees_a_worker_that_joins_or_restarts(redis_url: str) -> None:
+    """A worker new to the roster changes its size: the kept list is read anew. A worker that
+    restarted under the same id (a new epoch) is read again when chosen: its new block set
+    counts, not its last life's."""
+    r = redis.Redis.from_url(redis_url)
+    _listing(r, "w1")
+    ledger = _ledger(redis_url)
+    assert _place(ledger, "a", [7] * 40).worker_id == "w1"
+    _listing(r, "w2", holds=SYSTEM)
+    joined = _place(ledger, "b", SYSTEM + [1] * 5)
+    assert (joined.worker_id, joined.outcome, joined.predicted_tokens) == ("w2", "cache", 128)
+    # w2 restarts as e2 holding the prefix again; its e1 set is gone with its last life.
+    r.delete(keys.worker_blocks("w2", "e1"))
+    _listing(r, "w2", epoch="e2", holds=SYSTEM)
+    again = _place(ledger, "c", SYSTEM + [2] * 5)
+    assert (again.worker_id, again.outcome, again.predicted_tokens) == ("w2", "cache", 128)
+
+
 async def _started(ledger: AdmissionLedger, request_id: str, worker_id: str) -> None:
     """The start recorded, waited for (the relay does not wait for it)."""
     await ledger.started(request_id, worker_id, 0)

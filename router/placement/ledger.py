@@ -217,6 +217,8 @@ class AdmissionLedger:
             routed_template=t["routed"],
             first_template=keys.ROUTING_FIRST_TEMPLATE,
             holders_template=keys.ROUTING_HOLDERS_TEMPLATE,
+            live_key=keys.routing_live(model_id),
+            live_ttl_ms=keys.LIVE_CACHE_MS,
             load_template=t["load"],
             prefill_template=t["prefill"],
             model=model_id,

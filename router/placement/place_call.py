@@ -27,6 +27,8 @@ class PlaceArgs:
     routed_template: str
     first_template: str  # the first block's marks ({block}: its hex)
     holders_template: str  # the first block's holders ({block}: its hex)
+    live_key: str  # the model's live workers as last read (shared.keys.routing_live)
+    live_ttl_ms: int
     load_template: str
     prefill_template: str
     model: str

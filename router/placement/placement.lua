@@ -9,8 +9,9 @@
 --
 -- A decision costs one call per live worker (the prompt's first block in its index) and a few
 -- per worker that holds that block: every worker's liveness and epoch come from one read of
--- their alive keys, every worker's load from the pool's placement table in one read, and the
--- first block's routed marks from one key.
+-- their alive keys (or from the live list a decision of the last LIVE_CACHE_MS kept, where only
+-- a worker whose epoch is used or that is chosen is read again), every worker's load from the
+-- pool's placement table in one read, and the first block's routed marks from one key.
 --
 -- KEYS: 1 admission inflight zset, 2 admission queued hash, 3 worker roster set,
 --       4 routing stats hash, 5 round-robin cursor, 6 placements hash, 7 worker loads hash
@@ -102,64 +103,120 @@ end
 -- its cache's mode) comes from the facts table, which holds it per epoch: a worker writes those
 -- fields once per life, so they hold while its epoch does, and they are read from its info hash
 -- again when the epoch is new.
-local roster = redis.call('SMEMBERS', KEYS[3])
-table.sort(roster)
-local facts, loads = hash_table(KEYS[8]), hash_table(KEYS[7])
-local epochs = {}
-for i = 1, #roster, 1000 do
-  local names = {}
-  for j = i, math.min(i + 999, #roster) do names[#names + 1] = alive_key(roster[j]) end
-  for _, e in ipairs(redis.call('MGET', unpack(names))) do epochs[#epochs + 1] = e end
+local loads = hash_table(KEYS[7])
+
+-- A worker's load from the placement table (its requests, their prompt tokens not started).
+local function with_load(w)
+  w.running, w.queued, w.cached = 0, 0, 0
+  if loads[w.wid] then w.running, w.queued = pair(loads[w.wid]) end
+  w.load = w.queued + decode_weight * w.running  -- the load score (cost: prompt left + it)
 end
-local live, plain = {}, '||||' .. model  -- a plain worker of the model: '<epoch>' .. plain
-for i = 1, #roster do
-  local wid = roster[i]
-  local epoch, listing = epochs[i], epochs[i] ~= false
-  if not epoch and redis.call('PTTL', info_key(wid)) > min_pttl then
-    epoch = redis.call('HGET', info_key(wid), 'epoch') or ''
+
+-- Read whole, and kept (what stays the same while a worker's epoch does) under p.live_key with
+-- the roster's size, for the decisions of the next p.live_ttl_ms.
+local function read_live()
+  local roster = redis.call('SMEMBERS', KEYS[3])
+  table.sort(roster)
+  local facts = hash_table(KEYS[8])
+  local epochs = {}
+  for i = 1, #roster, 1000 do
+    local names = {}
+    for j = i, math.min(i + 999, #roster) do names[#names + 1] = alive_key(roster[j]) end
+    for _, e in ipairs(redis.call('MGET', unpack(names))) do epochs[#epochs + 1] = e end
   end
-  if epoch then
-    -- '<epoch>|<mode>|<paged_block_size>|<checkpoint_tokens>|<model>', the mode and its
-    -- setting only for a paged or snapshot cache: a plain one's model is one comparison.
-    local fact, mode, page, every_tokens = facts[wid], '', '', ''
-    local of_model = fact == epoch .. plain
-    if not of_model then
-      local seen, its_model
-      if fact then
-        seen, mode, page, every_tokens, its_model =
-          string.match(fact, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|(.*)$')
-      end
-      if epoch == '' or seen ~= epoch then
-        local f = redis.call('HMGET', info_key(wid), 'model', 'storage_mode', 'paged_block_size',
-                             'checkpoint_tokens')
-        its_model, mode, page, every_tokens = f[1] or '', f[2] or '', f[3] or '', f[4] or ''
-        if mode ~= 'paged' then page = '' end
-        if mode ~= 'snapshot' then every_tokens = '' end
-        if mode ~= 'paged' and mode ~= 'snapshot' then mode = '' end
-        if epoch ~= '' then
-          redis.call('HSET', KEYS[8], wid,
-                     table.concat({epoch, mode, page, every_tokens, its_model}, '|'))
+  local live, plain = {}, '||||' .. model  -- a plain worker of the model: '<epoch>' .. plain
+  for i = 1, #roster do
+    local wid = roster[i]
+    local epoch, listing = epochs[i], epochs[i] ~= false
+    if not epoch and redis.call('PTTL', info_key(wid)) > min_pttl then
+      epoch = redis.call('HGET', info_key(wid), 'epoch') or ''
+    end
+    if epoch then
+      -- '<epoch>|<mode>|<paged_block_size>|<checkpoint_tokens>|<model>', the mode and its
+      -- setting only for a paged or snapshot cache: a plain one's model is one comparison.
+      local fact, mode, page, every_tokens = facts[wid], '', '', ''
+      local of_model = fact == epoch .. plain
+      if not of_model then
+        local seen, its_model
+        if fact then
+          seen, mode, page, every_tokens, its_model =
+            string.match(fact, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|(.*)$')
         end
+        if epoch == '' or seen ~= epoch then
+          local f = redis.call('HMGET', info_key(wid), 'model', 'storage_mode', 'paged_block_size',
+                               'checkpoint_tokens')
+          its_model, mode, page, every_tokens = f[1] or '', f[2] or '', f[3] or '', f[4] or ''
+          if mode ~= 'paged' then page = '' end
+          if mode ~= 'snapshot' then every_tokens = '' end
+          if mode ~= 'paged' and mode ~= 'snapshot' then mode = '' end
+          if epoch ~= '' then
+            redis.call('HSET', KEYS[8], wid,
+                       table.concat({epoch, mode, page, every_tokens, its_model}, '|'))
+          end
+        end
+        of_model = its_model == model
       end
-      of_model = its_model == model
-    end
-    if of_model then
-      -- listing: a worker that writes an alive key lists itself in the holders sets too.
-      local w = {wid = wid, epoch = epoch, running = 0, queued = 0, cached = 0, unit = 1,
-                 every = 0, listing = listing}
-      if loads[wid] then w.running, w.queued = pair(loads[wid]) end
-      w.load = w.queued + decode_weight * w.running  -- the load score (cost: prompt left + it)
-      -- A paged cache adopts whole pages: what it can reuse is floored to its page size.
-      if mode == 'paged' then w.unit = math.max(tonumber(page) or 1, 1) end
-      -- A snapshot cache resumes only where it kept a checkpoint: its index holds just those
-      -- blocks (the last of each checkpoint), and it keeps one every `every` blocks.
-      if mode == 'snapshot' then
-        w.snapshot = true
-        w.every = math.floor((tonumber(every_tokens) or 0) / block_size)
+      if of_model then
+        -- listing: a worker that writes an alive key lists itself in the holders sets too.
+        local w = {wid = wid, epoch = epoch, unit = 1, every = 0, listing = listing}
+        -- A paged cache adopts whole pages: what it can reuse is floored to its page size.
+        if mode == 'paged' then w.unit = math.max(tonumber(page) or 1, 1) end
+        -- A snapshot cache resumes only where it kept a checkpoint: its index holds just those
+        -- blocks (the last of each checkpoint), and it keeps one every `every` blocks.
+        if mode == 'snapshot' then
+          w.snapshot = true
+          w.every = math.floor((tonumber(every_tokens) or 0) / block_size)
+        end
+        live[#live + 1] = w
       end
-      live[#live + 1] = w
     end
   end
+  local kept = {}
+  for i, w in ipairs(live) do
+    kept[i] = {wid = w.wid, epoch = w.epoch, unit = w.unit, every = w.every,
+               listing = w.listing, snapshot = w.snapshot}
+    with_load(w)
+  end
+  redis.call('SET', p.live_key, cmsgpack.pack({size = #roster, workers = kept}),
+             'PX', p.live_ttl_ms)
+  return live
+end
+
+-- The kept list serves while the roster's size is what it was (a worker that joins or leaves it
+-- is seen at once); a worker that died or restarted since is caught before its epoch is used or
+-- it is chosen (current, below).
+local roster_size = redis.call('SCARD', KEYS[3])
+local live, from_kept = nil, false
+local blob = redis.call('GET', p.live_key)
+if blob then
+  local ok, t = pcall(cmsgpack.unpack, blob)
+  if ok and type(t) == 'table' and t.size == roster_size and type(t.workers) == 'table' then
+    live, from_kept = t.workers, true
+    for _, w in ipairs(live) do with_load(w) end
+  end
+end
+if not live then live = read_live() end
+
+-- Whether a worker of the kept list still counts as alive under the epoch it was read with.
+local function still_live(w)
+  if w.listing then return redis.call('GET', alive_key(w.wid)) == w.epoch end
+  return redis.call('PTTL', info_key(w.wid)) > min_pttl
+    and (redis.call('HGET', info_key(w.wid), 'epoch') or '') == w.epoch
+end
+
+-- Before a worker's epoch is used (its block set read, or it is chosen): from the kept list, it
+-- is checked once; one that fails marks the list stale, and the decision is made again on the
+-- list read anew (a stale epoch would hide a restarted worker's blocks and drop its listing).
+local kept_stale, checked = false, {}
+local function current(w)
+  if not from_kept then return true end
+  local ok = checked[w.wid]
+  if ok == nil then
+    ok = still_live(w)
+    checked[w.wid] = ok
+  end
+  if not ok then kept_stale = true end
+  return ok
 end
 
 -- The pool's bound counts every model's requests in flight; a model's own workers bound only
@@ -173,15 +230,6 @@ if max_queued > 0 then
     return {0, 'tokens', queued, max_queued, 'pool'}
   end
 end
-
--- Workers below their own bound (a request's siblings ride with it: they may take its worker
--- up to k past the bound, as they cost it no prefill of their own).
-local open, mine = {}, 0
-for _, w in ipairs(live) do
-  mine = mine + w.running
-  if per_worker == 0 or w.running < per_worker then open[#open + 1] = w end
-end
-if #live > 0 and #open == 0 then return {0, 'inflight', mine, per_worker * #live, 'model'} end
 
 -- The workers with a live routed mark on the prompt's first block, read from one key. It may
 -- list a worker whose own marks are gone (a reaper deleted them): that costs the worker a
@@ -238,9 +286,10 @@ end
 -- where that earlier prompt and this one part.
 local function cached_tokens(w)
   if #members == 0 then return 0 end
-  if w.snapshot then return resumable_tokens(w) end
+  if w.snapshot then return current(w) and resumable_tokens(w) or 0 end
   local sent = routed_first(w)
   if not sent and w.listing and not listed_holder(w) then return 0 end
+  if not current(w) then return 0 end
   local n, blocks, k = #members, blocks_key(w), 0
   if not sent then
     if redis.call('SISMEMBER', blocks, members[1]) == 0 then
@@ -289,41 +338,64 @@ local function tidy_holders()
   if held_first then redis.call('PEXPIRE', holders_key, p.holders_ttl_ms) end
 end
 
-local chosen, outcome, cost = nil, 'no_worker', 0
-if #open > 0 then
-  if policy == 'round_robin' then
-    local cursor = redis.call('INCR', KEYS[5])
-    chosen, outcome = open[(cursor - 1) % #open + 1], 'round_robin'
-    chosen.cached = cached_tokens(chosen)
-  elseif policy == 'least_loaded' then
-    for _, w in ipairs(open) do
-      if chosen == nil or w.load < chosen.load then chosen = w end
-    end
-    outcome = 'load'
-    chosen.cached = cached_tokens(chosen)
-  else -- cache_aware: lowest cost = prompt tokens still to compute + the worker's load
-    local best, lightest, hi, lo = nil, nil, nil, nil
-    for _, w in ipairs(live) do  -- the best match among all, so a full worker's shows as a spill
-      w.cached = cached_tokens(w)
-      if w.cached > 0 and (best == nil or w.cached > best.cached) then best = w end
-    end
-    for _, w in ipairs(open) do
-      w.cost = prompt - w.cached + w.load
-      if chosen == nil or w.cost < chosen.cost then chosen = w end
-      if lightest == nil or w.load < lightest.load then lightest = w end
-      if hi == nil or w.running > hi then hi = w.running end
-      if lo == nil or w.running < lo then lo = w.running end
-    end
-    -- SGLang's imbalance gate: once the busiest open worker runs far more than the idlest,
-    -- load decides alone, so a hot prefix spills instead of piling onto one worker.
-    if hi - lo > balance_abs and hi > balance_rel * lo then chosen = lightest end
-    if best == nil then outcome = 'load'
-    elseif chosen == best then outcome = 'cache'
-    else outcome = 'spill' end
+-- The worker for the request among `live`, or the refusal when every one is at its bound.
+local function choose(live)
+  stale, held_first = {}, false  -- what the holders set showed, this list's
+  -- Workers below their own bound (a request's siblings ride with it: they may take its worker
+  -- up to k past the bound, as they cost it no prefill of their own).
+  local open, mine = {}, 0
+  for _, w in ipairs(live) do
+    mine = mine + w.running
+    if per_worker == 0 or w.running < per_worker then open[#open + 1] = w end
   end
-  cost = prompt - chosen.cached + chosen.load
-  tidy_holders()
+  if #live > 0 and #open == 0 then
+    return nil, 'no_worker', 0, {0, 'inflight', mine, per_worker * #live, 'model'}
+  end
+  local chosen, outcome, cost = nil, 'no_worker', 0
+  if #open > 0 then
+    if policy == 'round_robin' then
+      local cursor = redis.call('INCR', KEYS[5])
+      chosen, outcome = open[(cursor - 1) % #open + 1], 'round_robin'
+      chosen.cached = cached_tokens(chosen)
+    elseif policy == 'least_loaded' then
+      for _, w in ipairs(open) do
+        if chosen == nil or w.load < chosen.load then chosen = w end
+      end
+      outcome = 'load'
+      chosen.cached = cached_tokens(chosen)
+    else -- cache_aware: lowest cost = prompt tokens still to compute + the worker's load
+      local best, lightest, hi, lo = nil, nil, nil, nil
+      for _, w in ipairs(live) do  -- the best match among all, so a full worker's shows as a spill
+        w.cached = cached_tokens(w)
+        if w.cached > 0 and (best == nil or w.cached > best.cached) then best = w end
+      end
+      for _, w in ipairs(open) do
+        w.cost = prompt - w.cached + w.load
+        if chosen == nil or w.cost < chosen.cost then chosen = w end
+        if lightest == nil or w.load < lightest.load then lightest = w end
+        if hi == nil or w.running > hi then hi = w.running end
+        if lo == nil or w.running < lo then lo = w.running end
+      end
+      -- SGLang's imbalance gate: once the busiest open worker runs far more than the idlest,
+      -- load decides alone, so a hot prefix spills instead of piling onto one worker.
+      if hi - lo > balance_abs and hi > balance_rel * lo then chosen = lightest end
+      if best == nil then outcome = 'load'
+      elseif chosen == best then outcome = 'cache'
+      else outcome = 'spill' end
+    end
+    cost = prompt - chosen.cached + chosen.load
+  end
+  return chosen, outcome, cost, nil
 end
+
+local chosen, outcome, cost, refused = choose(live)
+if kept_stale or (chosen ~= nil and not current(chosen)) then
+  from_kept = false
+  live = read_live()
+  chosen, outcome, cost, refused = choose(live)
+end
+if refused ~= nil then return refused end
+if chosen ~= nil then tidy_holders() end
 
 -- Reserve: the pool's ledger, then the worker's load and the blocks now on their way to it.
 -- The prompt's tokens wait once (its siblings compute none of them).
