@@ -458,6 +458,18 @@ def test_a_kept_live_list_sees_a_worker_that_joins_or_restarts(redis_url: str) -
     assert (again.worker_id, again.outcome, again.predicted_tokens) == ("w2", "cache", 128)
 
 
+def test_a_kept_live_list_without_a_worker_is_read_again(redis_url: str) -> None:
+    """No live worker in the kept list (the request goes to the model's shared queue) is not
+    taken on trust: a worker back to life since, still on the roster, takes the next request."""
+    r = redis.Redis.from_url(redis_url)
+    _worker(r, "w1", alive=False)
+    ledger = _ledger(redis_url)
+    assert _place(ledger, "a", [7] * 40).outcome == "no_worker"
+    assert r.pttl(keys.routing_live(MODEL)) > 0
+    _listing(r, "w1")  # its beat again: alive key and info hash, the roster unchanged
+    assert _place(ledger, "b", [8] * 40).worker_id == "w1"
+
+
 async def _started(ledger: AdmissionLedger, request_id: str, worker_id: str) -> None:
     """The start recorded, waited for (the relay does not wait for it)."""
     await ledger.started(request_id, worker_id, 0)

@@ -388,8 +388,10 @@ local function choose(live)
   return chosen, outcome, cost, nil
 end
 
+-- No worker, or a refusal, from the kept list is made again on the list read anew: a worker
+-- back to life since (still on the roster) takes the request, and a refusal stands on a fresh read.
 local chosen, outcome, cost, refused = choose(live)
-if kept_stale or (chosen ~= nil and not current(chosen)) then
+if from_kept and (kept_stale or chosen == nil or not current(chosen)) then
   from_kept = false
   live = read_live()
   chosen, outcome, cost, refused = choose(live)
