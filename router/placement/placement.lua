@@ -96,13 +96,6 @@ local function hash_table(key)
   return out
 end
 
--- The live workers of the model, in id order, each with its load from the placement table.
--- Every worker's liveness and epoch come from one read of the alive keys (a worker's lapses
--- exactly when it stops counting as alive); a worker without one (it writes none) is judged by
--- its info hash: its TTL left, then its epoch. The rest of what routing needs of it (its model,
--- its cache's mode) comes from the facts table, which holds it per epoch: a worker writes those
--- fields once per life, so they hold while its epoch does, and they are read from its info hash
--- again when the epoch is new.
 local loads = hash_table(KEYS[7])
 
 -- A worker's load from the placement table (its requests, their prompt tokens not started).
@@ -112,8 +105,21 @@ local function with_load(w)
   w.load = w.queued + decode_weight * w.running  -- the load score (cost: prompt left + it)
 end
 
--- Read whole, and kept (what stays the same while a worker's epoch does) under p.live_key with
--- the roster's size, for the decisions of the next p.live_ttl_ms.
+-- A worker without an alive key (it writes none) is judged by its info hash: its TTL left, then
+-- its epoch ('' for none); nil when it does not count as alive.
+local function info_epoch(wid)
+  if redis.call('PTTL', info_key(wid)) <= min_pttl then return nil end
+  return redis.call('HGET', info_key(wid), 'epoch') or ''
+end
+
+-- The live workers of the model, in id order, each with its load from the placement table.
+-- Every worker's liveness and epoch come from one read of the alive keys (a worker's lapses
+-- exactly when it stops counting as alive); a worker without one (it writes none) is judged by
+-- its info hash: its TTL left, then its epoch. The rest of what routing needs of it (its model,
+-- its cache's mode) comes from the facts table, which holds it per epoch: a worker writes those
+-- fields once per life, so they hold while its epoch does, and they are read from its info hash
+-- again when the epoch is new. What stays the same while a worker's epoch does is kept under
+-- p.live_key with the roster's size, for the decisions of the next p.live_ttl_ms.
 local function read_live()
   local roster = redis.call('SMEMBERS', KEYS[3])
   table.sort(roster)
@@ -128,9 +134,7 @@ local function read_live()
   for i = 1, #roster do
     local wid = roster[i]
     local epoch, listing = epochs[i], epochs[i] ~= false
-    if not epoch and redis.call('PTTL', info_key(wid)) > min_pttl then
-      epoch = redis.call('HGET', info_key(wid), 'epoch') or ''
-    end
+    if not epoch then epoch = info_epoch(wid) end
     if epoch then
       -- '<epoch>|<mode>|<paged_block_size>|<checkpoint_tokens>|<model>', the mode and its
       -- setting only for a paged or snapshot cache: a plain one's model is one comparison.
@@ -200,8 +204,7 @@ if not live then live = read_live() end
 -- Whether a worker of the kept list still counts as alive under the epoch it was read with.
 local function still_live(w)
   if w.listing then return redis.call('GET', alive_key(w.wid)) == w.epoch end
-  return redis.call('PTTL', info_key(w.wid)) > min_pttl
-    and (redis.call('HGET', info_key(w.wid), 'epoch') or '') == w.epoch
+  return info_epoch(w.wid) == w.epoch
 end
 
 -- Before a worker's epoch is used (its block set read, or it is chosen): from the kept list, it
