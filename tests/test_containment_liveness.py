@@ -107,7 +107,7 @@ def _stall(stall_dir: Path, wid: str, seconds: float) -> None:
     path.with_suffix(".tmp").rename(path)
 
 
-def _stream(pool: Any, prompt: str, max_tokens: int, out: dict[str, Any]) -> None:
+def _stream(pool: Any, prompt: str, max_tokens: int, out: dict[str, Any], ignore_eos: bool) -> None:
     body = {
         "model": TINY_MODEL,
         "prompt": prompt,
@@ -115,6 +115,8 @@ def _stream(pool: Any, prompt: str, max_tokens: int, out: dict[str, Any]) -> Non
         "temperature": 0,
         "stream": True,
     }
+    if ignore_eos:
+        body["ignore_eos"] = True
     resp = httpx.post(f"{pool.url}/v1/completions", json=body, timeout=180)
     out["status"] = resp.status_code
     chunks = sse_events(resp) if resp.status_code == 200 else []
@@ -122,10 +124,14 @@ def _stream(pool: Any, prompt: str, max_tokens: int, out: dict[str, Any]) -> Non
     out["errors"] = [c["error"] for c in chunks if "error" in c]
 
 
-def _in_threads(pool: Any, prompts: list[str], max_tokens: int) -> tuple[list, list]:
+def _in_threads(
+    pool: Any, prompts: list[str], max_tokens: int, ignore_eos: bool = False
+) -> tuple[list, list]:
+    """Streams in threads; `ignore_eos`: each runs to max_tokens (the tiny model ends "Once upon
+    a time" at its 55th token), so a stop or a kill meant for a running stream finds it so."""
     results: list[dict[str, Any]] = [{} for _ in prompts]
     threads = [
-        threading.Thread(target=_stream, args=(pool, p, max_tokens, res))
+        threading.Thread(target=_stream, args=(pool, p, max_tokens, res, ignore_eos))
         for p, res in zip(prompts, results, strict=True)
     ]
     for t in threads:
@@ -157,7 +163,7 @@ def _stopped_mid_stream(pool: Any, r: redis.Redis) -> tuple[str, list[str], list
     of its jobs had written its last event (the tiny model is fast) is undone, and the streams
     run again, so every job it holds is stopped mid-stream."""
     for _ in range(3):
-        threads, results = _in_threads(pool, PROMPTS[:2], 2000)
+        threads, results = _in_threads(pool, PROMPTS[:2], 2000, ignore_eos=True)
         holders = wait_for(lambda: _holders(r), 60, "streams running")
         victim = sorted(holders.values())[0]
         lost = [j for j, w in holders.items() if w == victim]
@@ -262,7 +268,7 @@ def _end_every_way(pool: Any, r: redis.Redis) -> None:
     stopped = httpx.post(f"{pool.url}/v1/completions", json={**body, "stop": [stop]}, timeout=60)
     assert stopped.json()["choices"][0]["finish_reason"] == "stop", stopped.text
     # a client that goes away mid-stream
-    streamed = {**body, "max_tokens": 2000, "stream": True}
+    streamed = {**body, "max_tokens": 2000, "stream": True, "ignore_eos": True}
     with (
         httpx.Client(timeout=60) as client,
         client.stream("POST", f"{pool.url}/v1/completions", json=streamed) as resp,
@@ -323,7 +329,7 @@ def test_every_ending_leaves_no_request_key_without_a_ttl(pool: Any, r: redis.Re
     assert [r.xlen(keys.request_stream(j)) for j in lost] == lengths
     # worker_lost, true: a worker killed while it streams.
     wait_for(lambda: not _holders(r), 30, "the earlier requests ended")
-    threads, results = _in_threads(pool, PROMPTS[2:3], 2000)
+    threads, results = _in_threads(pool, PROMPTS[2:3], 2000, ignore_eos=True)
     holders = wait_for(lambda: _holders(r), 60, "a stream running")
     _wait_tokens_relayed(r, list(holders))
     pool.kill_worker(next(iter(holders.values())))
