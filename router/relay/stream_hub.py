@@ -44,6 +44,7 @@ import hiredis
 import msgpack
 import redis
 
+from router.cancellation import stop_if_cancelled
 from router.redis_batch import RedisBatch
 from shared import keys
 from shared.config import RedisConfig
@@ -429,6 +430,7 @@ class StreamHub:
         pool = self._reader.connection_pool
         loop = asyncio.get_running_loop()
         while True:
+            stop_if_cancelled()  # a stop swallowed by the last connection's handshake ends it
             conn = None
             lost: asyncio.Future[None] = loop.create_future()
             try:
@@ -458,6 +460,7 @@ class StreamHub:
         loop = asyncio.get_running_loop()
         bound = BLOCK_MS / 1000 + self._stall_s
         while True:
+            stop_if_cancelled()  # a stop swallowed by the connection's handshake ends it here
             done, _ = await asyncio.wait([lost], timeout=min(bound, STALL_CHECK_S))
             if done:
                 lost.result()
@@ -531,6 +534,7 @@ class StreamHub:
         pool = self._pusher.connection_pool
         loop = asyncio.get_running_loop()
         while True:
+            stop_if_cancelled()  # a stop swallowed by the last connection's handshake ends it
             conn = None
             transport = None
             pause = RETRY_S
@@ -573,6 +577,7 @@ class StreamHub:
         bound = STALL_CHECK_S + self._stall_s
         ping = hiredis.pack_command(("PING",))
         while True:
+            stop_if_cancelled()  # a stop swallowed by the connection's handshake ends it here
             done, _ = await asyncio.wait([lost], timeout=STALL_CHECK_S)
             if done:
                 lost.result()
@@ -585,6 +590,7 @@ class StreamHub:
         """Every PUSH_CHECK_S, the pushed streams read once from their last entries: what no
         push brought is taken, and its stream goes back to the reads."""
         while True:
+            stop_if_cancelled()
             await asyncio.sleep(PUSH_CHECK_S)
             pushed = [(k, s) for k, s in self._subs.items() if s.pushed]
             if not pushed:
