@@ -79,8 +79,9 @@ ROUTED_TTL_S = 30
 # the last placement that found a holder in it: the entries of a worker's earlier life lapse.
 HOLDERS_TTL_S = 86_400
 # A model's live workers, as a decision last read them, serve the decisions this soon after: a
-# decision then reads its chosen worker's liveness alone (and all again when it fails), the
-# roster's size, and every worker's load, instead of every worker's alive key and facts.
+# decision then reads the roster's size, every worker's load, and the liveness of only the
+# workers whose epoch it uses or that it chooses (all again when one fails), instead of every
+# worker's alive key and facts.
 LIVE_CACHE_MS = 250
 
 # rq queue names (rq builds `rq:queue:<name>` itself).
