@@ -4,6 +4,7 @@ the stream events it relays (JSON and SSE), failures, timeouts, disconnects and 
 from __future__ import annotations
 
 import json
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -562,6 +563,43 @@ def test_a_request_whose_worker_died_after_tokens_ends_with_an_error(
     error = json.loads(lines[-2].removeprefix("data: "))["error"]
     assert "worker w3 stopped" in error["message"] and "no heartbeat" in error["message"]
     assert time.monotonic() - started < 5  # the next job check, not the request timeout
+    assert Queue(SHARED_QUEUE, connection=r).count == 0  # not run again: text was out
+
+
+def test_a_stream_whose_tokens_went_out_by_its_lane_is_not_run_again_when_its_worker_dies(
+    router_url: str, r: redis.Redis, pool: ThreadPoolExecutor, model_id: str
+) -> None:
+    """A stream's token deltas after its first read go out by its direct lane, not through the
+    dispatcher's loop: they count as relayed all the same, so a lost worker ends the stream
+    with an error instead of a second attempt whose text would follow the first's."""
+    lines: queue.Queue[str] = queue.Queue()
+
+    def stream() -> None:
+        body = {"model": model_id, "prompt": "x", "stream": True}
+        with (
+            httpx.Client(base_url=router_url, timeout=15) as c,
+            c.stream("POST", "/v1/completions", json=body) as resp,
+        ):
+            lines.put(f"status {resp.status_code}")
+            for line in resp.iter_lines():
+                if line:
+                    lines.put(line)
+        lines.put("end")
+
+    fut = pool.submit(stream)
+    job, req = take_job(r)
+    job.set_status(JobStatus.STARTED)
+    r.lrem(Queue(SHARED_QUEUE, connection=r).key, 0, job.id)  # w6 had taken it
+    play(r, req, StreamEvent(kind="start", worker_id="w6"))
+    assert lines.get(timeout=15) == "status 200"  # the start read: the body waits for more
+    play(r, req, StreamEvent(kind="delta", text="lane", token_ids=[1]))
+    first = json.loads(lines.get(timeout=15).removeprefix("data: "))
+    assert first["choices"][0]["text"] == "lane"
+    _beating(r, "w6", age_s=liveness.DEAD_AFTER_S + 1)
+    rest = [lines.get(timeout=15) for _ in range(3)]
+    fut.result(15)
+    error = json.loads(rest[0].removeprefix("data: "))["error"]
+    assert "worker w6 stopped" in error["message"] and rest[1:] == ["data: [DONE]", "end"]
     assert Queue(SHARED_QUEUE, connection=r).count == 0  # not run again: text was out
 
 

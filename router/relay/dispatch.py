@@ -29,6 +29,7 @@ from router.admission.inline import INLINE_PROMPT_SIZE
 from router.placement.ledger import AdmissionLedger
 from router.redis_batch import RedisBatch
 from router.relay.attempt import Attempt, JobState
+from router.relay.direct_lane import DirectLane
 from router.relay.job_template import JobTemplate
 from router.relay.stream_hub import StreamHub
 from router.relay.watch import Disconnected, Watch
@@ -211,9 +212,11 @@ class Dispatcher:
         gen: GenerationRequest,
         disconnected: Disconnected | None = None,
         streamed: bool = True,
+        lane: DirectLane | None = None,
     ) -> AsyncIterator[list[StreamEvent]]:
         """The request's events up to and including its `done` or `error`, in lists of what one
-        stream read brought (never empty). A request whose worker died before any token reached
+        stream read brought (never empty), less the token deltas `lane` (a streamed choice's)
+        relayed itself. A request whose worker died before any token reached
         the client (a streamed one that had sent none, or any non-streamed one) is enqueued once
         more, onto whichever worker is live: a new attempt begins with its own `start`, after
         which the reader drops what it gathered; the client never sees the death. One that had
@@ -224,7 +227,7 @@ class Dispatcher:
         try:
             while True:
                 lost: StreamEvent | None = None
-                async with self._watching(attempt, disconnected, not streamed) as reader:
+                async with self._watching(attempt, disconnected, not streamed, lane) as reader:
                     async for batch in reader:
                         if batch[0].kind == "delta" and batch[-1].kind == "delta":
                             # Only deltas (a start is an attempt's first event, and a `done`
@@ -261,6 +264,7 @@ class Dispatcher:
                     return  # the client went away (or nothing more will come)
                 # A lost worker may be only stopped: the cleanup below (or the requeue) sets the
                 # lost attempt's cancel flag, so it drops the request when it goes on.
+                relayed_tokens = relayed_tokens or (lane is not None and lane.relayed)
                 if relayed_tokens or attempt.number >= MAX_ATTEMPTS:
                     yield [lost]
                     return
@@ -298,7 +302,11 @@ class Dispatcher:
 
     @asynccontextmanager
     async def _watching(
-        self, attempt: Attempt, disconnected: Disconnected | None, in_flow: bool
+        self,
+        attempt: Attempt,
+        disconnected: Disconnected | None,
+        in_flow: bool,
+        lane: DirectLane | None,
     ) -> AsyncIterator[AsyncIterator[list[StreamEvent]]]:
         """The attempt's stream subscribed and watched, its batches iterated by the caller
         itself (a generator of their own here would be one more hop a read), and let go."""
@@ -312,6 +320,7 @@ class Dispatcher:
             self.request_timeout_s,
             job_state=lambda: self.checked_job_state(attempt.job_id, attempt.worker_id),
             unread=lambda: self._unread(attempt),
+            lane=lane,
         )
         try:
             async with aclosing(watch.batches()) as batches:

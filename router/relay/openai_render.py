@@ -14,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from router.edge.openai_types import ResponseFormat, Usage
+from router.relay.direct_lane import DirectLane
 from router.relay.logprobs import LogprobRenderer, token_table
 from router.relay.progress import ChoiceProgress, error_for
 from router.relay.routed import RoutedRequest
@@ -46,11 +47,14 @@ async def respond(request: Request, state: RouterState, routed: RoutedRequest) -
         await collect_all(streams, progress)
         body = _body(fmt, progress, renderer)
         return JSONResponse(body, headers=served_by(progress[0].worker_id))
+    if len(routed.gens) == 1:  # one write a stream read already, token deltas by its lane
+        lane = DirectLane()
+        batches = open_batches(request, state, routed, lane)
+        firsts = await first_batches(batches)
+        chunks = _chunks(firsts[0], batches[0], routed, progress[0], renderer, lane=lane)
+        return sse_response(chunks, firsts[0][0], coalesce=False, lane=lane)
     batches = open_batches(request, state, routed)
     firsts = await first_batches(batches)
-    if len(batches) == 1:  # one write a stream read already
-        chunks = _chunks(firsts[0], batches[0], routed, progress[0], renderer)
-        return sse_response(chunks, firsts[0][0], coalesce=False)
     chunks = _merged(list(zip(firsts, batches, progress, strict=True)), routed, renderer)
     return sse_response(chunks, firsts[0][0])
 
@@ -125,9 +129,11 @@ async def _chunks(
     renderer: LogprobRenderer | None,
     index: int = 0,
     final: bool = True,
+    lane: DirectLane | None = None,
 ) -> AsyncIterator[bytes]:
     """One choice's SSE chunks, one write a stream read; `final`: it is the response's only
-    choice, so it also sends the usage chunk and [DONE] (with several, _merged does, once)."""
+    choice, so it also sends the usage chunk and [DONE] (with several, _merged does, once);
+    `lane`: the choice's direct lane, given the renderer of its token deltas."""
     fmt = routed.fmt
     assert fmt is not None
     include_usage = routed.include_usage
@@ -162,6 +168,16 @@ async def _chunks(
             out.append(sse("[DONE]"))
         return True
 
+    def deltas(batch: list[StreamEvent]) -> bytes:
+        """The lane's write of a read's token deltas (none of which ends the response)."""
+        for ev in batch:
+            render(ev)
+        data = b"".join(out)
+        out.clear()
+        return data
+
+    if lane is not None:
+        lane.render = deltas
     async with aclosing(batches):
         if fmt.chat:
             out.append(chunk(fmt.chunk("", first=True)))

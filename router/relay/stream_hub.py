@@ -144,22 +144,35 @@ class Deadlines:
             self._plan(min(self._waiting.values()))
 
 
+# A feed's sink while its reader waits: takes a read's entries whole, relaying them where they
+# came (True), or leaves them all to the reader (False).
+Sink = Callable[[list[RawEntry]], bool]
+
+
 class Feed:
     """One stream's entries, appended by the hub a read at a time and taken whole by the
-    stream's one reader: a wake-up per read, not per entry."""
+    stream's one reader: a wake-up per read, not per entry. A reader may wait with a sink
+    (router.relay.direct_lane), which is offered each read that finds nothing waiting for it,
+    until it refuses one or the reader wakes."""
 
-    __slots__ = ("_entries", "_waiter", "_deadlines")
+    __slots__ = ("_entries", "_waiter", "_deadlines", "_sink")
 
     def __init__(self, deadlines: Deadlines) -> None:
         self._entries: list[RawEntry] = []
         self._waiter: asyncio.Future[None] | None = None
         self._deadlines = deadlines
+        self._sink: Sink | None = None
 
     def push(self, entries: list[RawEntry]) -> None:
+        sink = self._sink
+        if sink is not None and not self._entries and sink(entries):
+            return  # relayed: the reader's wait goes on
         self._entries.extend(entries)
         self.wake()
 
     def wake(self) -> None:
+        # The reader runs next: what comes after this waits for it, behind what it takes.
+        self._sink = None
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -169,17 +182,19 @@ class Feed:
         entries, self._entries = self._entries, []
         return entries
 
-    async def wait(self, timeout_s: float) -> bool:
+    async def wait(self, timeout_s: float, sink: Sink | None = None) -> bool:
         """Whether entries are there to take, waiting up to about `timeout_s` for them (its
-        Deadlines wakes it at most TICK_S late)."""
+        Deadlines wakes it at most TICK_S late); `sink` is offered what comes meanwhile."""
         if self._entries:
             return True
         loop = asyncio.get_running_loop()
         waiter = self._waiter = loop.create_future()
         self._deadlines.add(self, loop.time() + timeout_s)
+        self._sink = sink
         try:
             await waiter
         finally:
+            self._sink = None
             self._waiter = None
             self._deadlines.discard(self)
         return bool(self._entries)

@@ -17,6 +17,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from router.edge.errors import APIError
+from router.relay.direct_lane import DirectLane
 from router.relay.progress import ChoiceProgress, error_for
 from router.relay.routed import RoutedRequest
 from router.state import RouterState
@@ -104,7 +105,9 @@ class SSEResponse(StreamingResponse):
     2.4, where a send to a client that left is dropped, not an error) the client's leaving
     watched by one plain task that cancels the streaming one: lighter than an anyio task group
     per response, and the body's cleanup, cancelled once, runs to its end before the response
-    does."""
+    does. `lane`: the body's choice's direct lane, given this response's send."""
+
+    lane: DirectLane | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         spec = tuple(map(int, scope.get("asgi", {}).get("spec_version", "2.0").split(".")))
@@ -146,6 +149,8 @@ class SSEResponse(StreamingResponse):
         await asyncio.ensure_future(self._send_body(send))
 
     async def _send_body(self, send: Send) -> None:
+        if self.lane is not None:
+            self.lane.send = send
         more = True
         async for chunk in self.body_iterator:  # to its end: its cleanup runs in it
             if more:
@@ -161,13 +166,19 @@ def _retrieved(task: asyncio.Task[None]) -> None:
 
 
 def sse_response(
-    chunks: AsyncIterator[bytes], first: StreamEvent, coalesce: bool = True
+    chunks: AsyncIterator[bytes],
+    first: StreamEvent,
+    coalesce: bool = True,
+    lane: DirectLane | None = None,
 ) -> StreamingResponse:
     """The streamed answer: `chunks` coalesced per write (`coalesce` False: chunks that already
     are a stream read's writes each, sent as they come, the last a LastWrite), the SSE headers
-    (the worker that took the request, from its first event)."""
+    (the worker that took the request, from its first event); `lane`: the direct lane of the
+    choice that `chunks` renders (not coalesced)."""
     body = coalesced(chunks) if coalesce else chunks
-    return SSEResponse(body, media_type="text/event-stream", headers=sse_headers(first))
+    response = SSEResponse(body, media_type="text/event-stream", headers=sse_headers(first))
+    response.lane = lane
+    return response
 
 
 def open_streams(request: Request, state: RouterState, routed: RoutedRequest) -> list[Events]:
@@ -178,11 +189,14 @@ def open_streams(request: Request, state: RouterState, routed: RoutedRequest) ->
     ]
 
 
-def open_batches(request: Request, state: RouterState, routed: RoutedRequest) -> list[Batches]:
+def open_batches(
+    request: Request, state: RouterState, routed: RoutedRequest, lane: DirectLane | None = None
+) -> list[Batches]:
     """Each choice's events, a stream read's worth at a time (routed.start_relay() made their
-    progress)."""
+    progress); `lane`: the one choice's direct lane."""
+    assert lane is None or len(routed.gens) == 1, "a lane is one choice's"
     return [
-        state.dispatcher.batches(gen, request.is_disconnected, streamed=routed.stream)
+        state.dispatcher.batches(gen, request.is_disconnected, streamed=routed.stream, lane=lane)
         for gen in routed.gens
     ]
 

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from router.relay.attempt import Attempt, JobState, fingerprint
+from router.relay.direct_lane import DirectLane
 from router.relay.event_decode import decode_entry, entry_ms, error_event
 from router.relay.stream_hub import Feed, RawEntry
 from shared.errors import ErrorKind
@@ -54,6 +55,7 @@ class Watch:
     request_timeout_s: float
     job_state: Callable[[], Awaitable[JobState | None]]  # None: Redis did not answer
     unread: Callable[[], Awaitable[bool]]
+    lane: DirectLane | None = None  # a streamed choice's deltas relayed from the hub's callback
     phase: Phase = Phase.RUNNING
     failure: StreamEvent | None = None  # rq's failure text, relayed if no event of its own comes
     last_event_at: float = field(default_factory=time.monotonic)
@@ -67,10 +69,18 @@ class Watch:
 
     async def batches(self) -> AsyncIterator[list[StreamEvent]]:
         """The events in order, each list what one stream read brought (never empty)."""
+        lane = self.lane
         while True:
             entries = self.feed.take()
-            if not entries and await self.feed.wait(IDLE_CHECK_S):
-                entries = self.feed.take()
+            if not entries:
+                relayed_at = self.last_event_at
+                sink = self.take_direct if lane is not None and lane.open else None
+                if await self.feed.wait(IDLE_CHECK_S, sink):
+                    entries = self.feed.take()
+                if lane is not None:
+                    await lane.settled()  # its last write done before any of this task's
+                if not entries and self.last_event_at != relayed_at:
+                    continue  # the lane relayed what came: no quiet wait
             now = time.monotonic()
             if entries:
                 batch, end = self._read(entries)
@@ -97,6 +107,30 @@ class Watch:
                 yield [end_event]
             if end:
                 return
+
+    def take_direct(self, entries: list[RawEntry]) -> bool:
+        """The feed's sink while this watch waits: a read's entries relayed by the lane when
+        each is the attempt's next token delta (True), else all of them left to the loop above,
+        which relays or ends on them as ever (False)."""
+        lane = self.lane
+        if lane is None or not lane.open:  # its last write still waits for the client
+            return False
+        seq = self.attempt.next_seq
+        events: list[StreamEvent] = []
+        for entry_id, fields in entries:
+            event = decode_entry(fields)
+            if event.kind != "delta" or event.seq != seq:
+                return False
+            event.written_ms = entry_ms(entry_id)
+            events.append(event)
+            seq += 1
+        said = self.attempt.said
+        for event in events:
+            said.append(fingerprint(event))
+        self.last_event_at = time.monotonic()
+        if not lane.relay(events):  # its write waits for the client, or failed: the task's now
+            self.feed.wake()
+        return True
 
     def _read(self, entries: list[RawEntry]) -> tuple[list[StreamEvent], bool]:
         """(the events of one read to relay, whether the watch ends with them)."""

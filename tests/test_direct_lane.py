@@ -1,0 +1,283 @@
+"""A streamed choice's direct lane writes what the response's own task would have written, in the
+same order: its token deltas go out in the hub's callback, through the response's ASGI send; a
+start, an end, a gap or an unreadable entry takes the task's way; a send that must wait for the
+client closes the lane, and what comes next goes out only after it; a send that fails fails the
+response. The feed offers a sink only what comes while its reader waits with nothing taken."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from router.edge.openai_types import ResponseFormat
+from router.relay.attempt import Attempt
+from router.relay.direct_lane import DirectLane, send_now
+from router.relay.openai_render import _chunks
+from router.relay.progress import ChoiceProgress
+from router.relay.stream_hub import Deadlines, Feed, RawEntry
+from router.relay.streams import sse_response
+from router.relay.watch import Watch
+from shared.wire import STREAM_FIELD, GenerationRequest, StreamEvent
+
+
+def _entry(seq: int, kind: str = "delta", text: str | None = None) -> RawEntry:
+    body = f"t{seq}" if text is None else text
+    event = StreamEvent(kind=kind, seq=seq, text=body, token_ids=[seq + 5])  # type: ignore[arg-type]
+    if kind == "done":
+        event = StreamEvent(kind="done", seq=seq, finish_reason="length", completion_tokens=seq)
+    return [b"%d-0" % (seq + 1), [STREAM_FIELD, event.to_wire()]]
+
+
+async def _none() -> None:
+    return None
+
+
+async def _passes(n: int = 10) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+# --- the feed's sink --------------------------------------------------------------------------
+
+
+def test_a_sink_takes_reads_while_its_reader_waits_and_a_refused_one_waits_for_the_reader() -> None:
+    async def run() -> tuple[list[list[bytes]], list[bytes], bool, bool]:
+        deadlines = Deadlines()
+        feed = Feed(deadlines)
+        offered: list[list[bytes]] = []
+        refuse = False
+
+        def sink(entries: list[RawEntry]) -> bool:
+            offered.append([e[0] for e in entries])
+            return not refuse
+
+        try:
+            waiting = asyncio.ensure_future(feed.wait(30.0, sink))
+            await _passes()
+            feed.push([_entry(0), _entry(1)])
+            await _passes()
+            woken_by_taken = waiting.done()
+            refuse = True
+            feed.push([_entry(2)])  # refused: the reader's, and the sink is offered no more
+            feed.push([_entry(3)])
+            has_entries = await asyncio.wait_for(waiting, 30)
+            return offered, [e[0] for e in feed.take()], woken_by_taken, has_entries
+        finally:
+            deadlines.close()
+
+    offered, taken, woken_by_taken, has_entries = asyncio.run(run())
+    assert offered == [[b"1-0", b"2-0"], [b"3-0"]]
+    assert taken == [b"3-0", b"4-0"] and has_entries and not woken_by_taken
+
+
+def test_a_sink_is_not_offered_a_read_while_entries_wait_for_the_reader() -> None:
+    async def run() -> list[bytes]:
+        deadlines = Deadlines()
+        feed = Feed(deadlines)
+        feed.push([_entry(0)])  # nobody waits: kept
+
+        def sink(entries: list[RawEntry]) -> bool:
+            raise AssertionError("offered a read behind entries not taken")
+
+        try:
+            assert await feed.wait(30.0, sink)  # returns at once: entries are there
+            feed.push([_entry(1)])
+            return [e[0] for e in feed.take()]
+        finally:
+            deadlines.close()
+
+    assert asyncio.run(run()) == [b"1-0", b"2-0"]
+
+
+# --- send_now ---------------------------------------------------------------------------------
+
+
+def test_a_send_that_needs_no_wait_ends_in_the_call() -> None:
+    sent: list[Any] = []
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    async def run() -> Any:
+        return send_now(send, {"n": 1})
+
+    assert asyncio.run(run()) is None and sent == [{"n": 1}]
+
+
+def test_a_send_that_waits_goes_on_from_its_wait_and_a_cancel_reaches_it() -> None:
+    async def run() -> tuple[list[str], list[str]]:
+        log: list[str] = []
+        drained: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        async def send(message: str) -> None:
+            log.append(f"wait {message}")
+            try:
+                await drained
+                log.append(f"wrote {message}")
+            finally:
+                log.append(f"left {message}")
+
+        pending = send_now(send, "a")
+        assert pending is not None and not pending.done()
+        await _passes()
+        drained.set_result(None)
+        await asyncio.wait_for(pending, 30)
+        first = list(log)
+        log.clear()
+        drained = asyncio.get_running_loop().create_future()
+        cancelled = send_now(send, "b")
+        assert cancelled is not None
+        await _passes()
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        return first, log
+
+    first, second = asyncio.run(run())
+    assert first == ["wait a", "wrote a", "left a"]
+    assert second == ["wait b", "left b"]
+
+
+def test_a_send_that_fails_before_any_wait_raises_in_the_call() -> None:
+    async def send(message: Any) -> None:
+        raise OSError("the client is gone")
+
+    async def run() -> None:
+        send_now(send, {})
+
+    with pytest.raises(OSError, match="the client is gone"):
+        asyncio.run(run())
+
+
+# --- a streamed choice: its watch, its renderer and its response -----------------------------
+
+
+class _Client:
+    """The ASGI side of one streamed response: what it was sent, and a send that waits while
+    `paused` is set (uvicorn's, while the client's socket is full) or raises `fail`."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+        self.entered: list[dict[str, Any]] = []  # every send begun, waiting or not
+        self.drained = asyncio.Event()
+        self.drained.set()
+        self.fail: Exception | None = None
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self.entered.append(message)
+        if self.fail is not None and message.get("body"):
+            raise self.fail
+        await self.drained.wait()
+        self.sent.append(message)
+
+    async def receive(self) -> dict[str, Any]:
+        await asyncio.Event().wait()  # the client never leaves
+        raise AssertionError
+
+    def bodies(self) -> list[bytes]:
+        return [m["body"] for m in self.sent if m["type"] == "http.response.body"]
+
+
+async def _stream(client: _Client, feed: Feed) -> tuple[asyncio.Task[None], Attempt, DirectLane]:
+    """A streamed completion over `feed`, its first read (a start) taken and its response
+    started: the response's task waits for the next read."""
+    gen = GenerationRequest(request_id="lane", model="m", prompt_tokens=[1], max_tokens=99)
+    attempt, lane = Attempt(gen), DirectLane()
+    watch = Watch(attempt, feed, None, False, 60.0, _none, _none, lane=lane)  # type: ignore[arg-type]
+    batches = watch.batches()
+    feed.push([_entry(0, "start")])
+    first = await anext(batches)
+    routed = SimpleNamespace(fmt=ResponseFormat(chat=False, model="m"), include_usage=False)
+    chunks = _chunks(first, batches, routed, ChoiceProgress(gen), None, lane=lane)  # type: ignore[arg-type]
+    response = sse_response(chunks, first[0], coalesce=False, lane=lane)
+    scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
+    task = asyncio.ensure_future(response(scope, client.receive, client.send))
+    await _passes()
+    assert not task.done() and lane.open
+    return task, attempt, lane
+
+
+def test_a_reads_token_deltas_go_out_in_the_hubs_callback_and_the_end_by_the_task() -> None:
+    async def run() -> tuple[list[bytes], list[bytes], int, bool]:
+        deadlines = Deadlines()
+        feed, client = Feed(deadlines), _Client()
+        try:
+            task, attempt, lane = await _stream(client, feed)
+            feed.push([_entry(1), _entry(2)])
+            in_the_call = client.bodies()  # before any loop pass
+            feed.push([_entry(3), _entry(4, "done")])  # the end: the task's
+            await asyncio.wait_for(task, 30)
+            return in_the_call, client.bodies(), attempt.next_seq, lane.relayed
+        finally:
+            deadlines.close()
+
+    in_the_call, bodies, next_seq, relayed = asyncio.run(run())
+    assert len(in_the_call) == 1 and b'"t1"' in in_the_call[0] and b'"t2"' in in_the_call[0]
+    assert b'"t3"' in bodies[1] and bodies[1].endswith(b"data: [DONE]\n\n")
+    assert len(bodies) == 2 and next_seq == 5 and relayed
+
+
+def test_a_gap_is_the_tasks_to_end_on_as_ever() -> None:
+    async def run() -> list[bytes]:
+        deadlines = Deadlines()
+        feed, client = Feed(deadlines), _Client()
+        try:
+            task, _, _ = await _stream(client, feed)
+            feed.push([_entry(1)])
+            feed.push([_entry(3)])  # seq 2 lost
+            assert len(client.bodies()) == 1  # refused: not written in the call
+            await asyncio.wait_for(task, 30)
+            return client.bodies()
+        finally:
+            deadlines.close()
+
+    bodies = asyncio.run(run())
+    assert b'"t1"' in bodies[0] and b"lost events 2..2" in bodies[1]
+    assert b'"t3"' not in b"".join(bodies) and bodies[-1].endswith(b"data: [DONE]\n\n")
+
+
+def test_a_send_that_waits_for_the_client_closes_the_lane_and_what_follows_goes_after_it() -> None:
+    async def run() -> list[bytes]:
+        deadlines = Deadlines()
+        feed, client = Feed(deadlines), _Client()
+        try:
+            task, _, lane = await _stream(client, feed)
+            client.drained.clear()  # the client's socket is full
+            feed.push([_entry(1)])
+            assert not lane.open
+            feed.push([_entry(2)])  # the task's, behind the write that waits
+            feed.push([_entry(3)])
+            await _passes(20)
+            assert client.bodies() == [] and len(client.entered) == 2  # the head, t1
+            client.drained.set()
+            await _passes(20)
+            assert lane.open  # the task waits again, its lane open
+            feed.push([_entry(4), _entry(5, "done")])
+            await asyncio.wait_for(task, 30)
+            return client.bodies()
+        finally:
+            deadlines.close()
+
+    bodies = asyncio.run(run())
+    text = b"".join(bodies)
+    at = [text.index(b'"t%d"' % i) for i in range(1, 5)]
+    assert at == sorted(at) and bodies[-1].endswith(b"data: [DONE]\n\n")
+
+
+def test_a_send_that_fails_in_the_lane_fails_the_response() -> None:
+    async def run() -> None:
+        deadlines = Deadlines()
+        feed, client = Feed(deadlines), _Client()
+        try:
+            task, _, _ = await _stream(client, feed)
+            client.fail = OSError("the client is gone")
+            feed.push([_entry(1)])
+            await asyncio.wait_for(task, 30)
+        finally:
+            deadlines.close()
+
+    with pytest.raises(OSError, match="the client is gone"):
+        asyncio.run(run())
