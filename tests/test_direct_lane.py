@@ -7,11 +7,17 @@ response. The feed offers a sink only what comes while its reader waits with not
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Callable
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from router.dialects import anthropic_service
+from router.dialects.anthropic_render import MessageShape
+from router.dialects.responses import ResponsesRequest
+from router.dialects.responses_output import ResponseShape
+from router.dialects.responses_stream import stream_response
 from router.edge.openai_types import ResponseFormat
 from router.relay.attempt import Attempt
 from router.relay.direct_lane import DirectLane, send_now
@@ -27,7 +33,7 @@ def _entry(seq: int, kind: str = "delta", text: str | None = None) -> RawEntry:
     body = f"t{seq}" if text is None else text
     event = StreamEvent(kind=kind, seq=seq, text=body, token_ids=[seq + 5])  # type: ignore[arg-type]
     if kind == "done":
-        event = StreamEvent(kind="done", seq=seq, finish_reason="length", completion_tokens=seq)
+        event = StreamEvent(kind="done", seq=seq, finish_reason="stop", completion_tokens=seq)
     return [b"%d-0" % (seq + 1), [STREAM_FIELD, event.to_wire()]]
 
 
@@ -181,17 +187,56 @@ class _Client:
         return [m["body"] for m in self.sent if m["type"] == "http.response.body"]
 
 
-async def _stream(client: _Client, feed: Feed) -> tuple[asyncio.Task[None], Attempt, DirectLane]:
-    """A streamed completion over `feed`, its first read (a start) taken and its response
-    started: the response's task waits for the next read."""
+Body = Callable[
+    [list[StreamEvent], AsyncIterator[list[StreamEvent]], ChoiceProgress, DirectLane],
+    AsyncIterator[bytes],
+]
+
+
+def _completion(
+    first: list[StreamEvent],
+    batches: AsyncIterator[list[StreamEvent]],
+    progress: ChoiceProgress,
+    lane: DirectLane,
+) -> AsyncIterator[bytes]:
+    routed = SimpleNamespace(fmt=ResponseFormat(chat=False, model="m"), include_usage=False)
+    return _chunks(first, batches, routed, progress, None, lane=lane)  # type: ignore[arg-type]
+
+
+def _message(
+    first: list[StreamEvent],
+    batches: AsyncIterator[list[StreamEvent]],
+    progress: ChoiceProgress,
+    lane: DirectLane,
+) -> AsyncIterator[bytes]:
+    return anthropic_service._chunks(first, batches, progress, MessageShape("m"), lane)
+
+
+def _response(
+    first: list[StreamEvent],
+    batches: AsyncIterator[list[StreamEvent]],
+    progress: ChoiceProgress,
+    lane: DirectLane,
+) -> AsyncIterator[bytes]:
+    async def stored(response: dict[str, Any], items: list[dict[str, Any]]) -> None:
+        return None
+
+    shape = ResponseShape(ResponsesRequest.model_validate({"input": "x"}), "m")
+    return stream_response(first, batches, progress, shape, stored, lane)
+
+
+async def _stream(
+    client: _Client, feed: Feed, body: Body = _completion
+) -> tuple[asyncio.Task[None], Attempt, DirectLane]:
+    """A streamed answer (`body`: a completion's, by default) over `feed`, its first read (a
+    start) taken and its response started: the response's task waits for the next read."""
     gen = GenerationRequest(request_id="lane", model="m", prompt_tokens=[1], max_tokens=99)
     attempt, lane = Attempt(gen), DirectLane()
     watch = Watch(attempt, feed, None, False, 60.0, _none, _none, lane=lane)  # type: ignore[arg-type]
     batches = watch.batches()
     feed.push([_entry(0, "start")])
     first = await anext(batches)
-    routed = SimpleNamespace(fmt=ResponseFormat(chat=False, model="m"), include_usage=False)
-    chunks = _chunks(first, batches, routed, ChoiceProgress(gen), None, lane=lane)  # type: ignore[arg-type]
+    chunks = body(first, batches, ChoiceProgress(gen), lane)
     response = sse_response(chunks, first[0], coalesce=False, lane=lane)
     scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
     task = asyncio.ensure_future(response(scope, client.receive, client.send))
@@ -218,6 +263,36 @@ def test_a_reads_token_deltas_go_out_in_the_hubs_callback_and_the_end_by_the_tas
     assert len(in_the_call) == 1 and b'"t1"' in in_the_call[0] and b'"t2"' in in_the_call[0]
     assert b'"t3"' in bodies[1] and bodies[1].endswith(b"data: [DONE]\n\n")
     assert len(bodies) == 2 and next_seq == 5 and relayed
+
+
+@pytest.mark.parametrize(
+    ("body", "delta", "end"),
+    [
+        (_message, b"event: content_block_delta", b"event: message_stop"),
+        (_response, b"event: response.output_text.delta", b"event: response.completed"),
+    ],
+)
+def test_the_messages_and_responses_streams_deltas_go_out_by_their_lanes(
+    body: Body, delta: bytes, end: bytes
+) -> None:
+    async def run() -> tuple[list[bytes], list[bytes]]:
+        deadlines = Deadlines()
+        feed, client = Feed(deadlines), _Client()
+        try:
+            task, _, _ = await _stream(client, feed, body)
+            before = len(client.bodies())
+            feed.push([_entry(1), _entry(2)])
+            in_the_call = client.bodies()[before:]  # before any loop pass
+            feed.push([_entry(3, "done")])
+            await asyncio.wait_for(task, 30)
+            return in_the_call, client.bodies()
+        finally:
+            deadlines.close()
+
+    in_the_call, bodies = asyncio.run(run())
+    assert len(in_the_call) == 1 and in_the_call[0].count(delta) == 2
+    assert b'"t1"' in in_the_call[0] and b'"t2"' in in_the_call[0]
+    assert end in bodies[-1] and end not in b"".join(bodies[:-1])
 
 
 def test_a_gap_is_the_tasks_to_end_on_as_ever() -> None:

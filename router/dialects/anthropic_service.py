@@ -25,11 +25,14 @@ from router.dialects.anthropic_request import chat_request
 from router.dialects.anthropic_types import CountTokensRequest, CreateMessageRequest
 from router.edge.openai_types import Usage
 from router.pool_view.model_catalog import unknown_model_message, unservable_error
+from router.relay.direct_lane import DirectLane
 from router.relay.progress import ChoiceProgress, error_for
 from router.relay.streams import (
-    Events,
+    Batches,
+    LastWrite,
     collect,
-    first_events,
+    first_batches,
+    open_batches,
     open_streams,
     served_by,
     sse_response,
@@ -46,9 +49,9 @@ async def create_message(
     chat = chat_request(body)
     routed = await submit_chat(chat, state)
     (progress,) = routed.start_relay()
-    (events,) = open_streams(request, state, routed)
     shape = MessageShape(routed.model)
     if not routed.stream:
+        (events,) = open_streams(request, state, routed)
         await collect(events, progress)
         text = "".join(progress.text)
         answer = message_body(
@@ -60,9 +63,11 @@ async def create_message(
             progress.usage,
         )
         return JSONResponse(answer, headers=served_by(progress.worker_id))
-    (first,) = await first_events([events])
-    chunks = _events(first, events, progress, shape)
-    return sse_response(chunks, first)
+    lane = DirectLane()
+    (batches,) = open_batches(request, state, routed, lane)
+    (first,) = await first_batches([batches])
+    chunks = _chunks(first, batches, progress, shape, lane)
+    return sse_response(chunks, first[0], coalesce=False, lane=lane)
 
 
 async def count_tokens(body: CountTokensRequest, state: RouterState) -> dict[str, Any]:
@@ -86,30 +91,59 @@ async def count_tokens(body: CountTokensRequest, state: RouterState) -> dict[str
     return {"input_tokens": len(counted)}
 
 
-async def _events(
-    first: StreamEvent,
-    events: Events,
+async def _chunks(
+    first: list[StreamEvent],
+    batches: Batches,
     progress: ChoiceProgress,
     shape: MessageShape,
+    lane: DirectLane,
 ) -> AsyncIterator[bytes]:
+    """The message's events, one write a stream read; `lane` is given the renderer of its token
+    deltas."""
     out = MessageEvents(shape)
-    async with aclosing(events):
-        ev: StreamEvent | None = first
-        started = False
-        while ev is not None:
-            if ev.kind == "error":
-                yield error_event(error_for(ev))
-                return
-            text, calls = progress.on_event(ev)
-            head = b""
-            if not started:  # the first event (a start) says how much of the prompt was cached
-                started = True
-                prompt = Usage(len(progress.gen.prompt_tokens), 0, progress.usage.cached_tokens)
-                head = out.start(prompt)
-            data = head + out.text(text) + out.tool_calls(calls)
-            if ev.kind == "done":
-                yield data + out.end(progress.finish_reason, progress.stop_str, progress.usage)
+    started = False
+
+    def render(ev: StreamEvent) -> tuple[bytes, bool]:
+        """`ev`'s events, and whether they end the stream."""
+        nonlocal started
+        if ev.kind == "error":
+            return error_event(error_for(ev)), True
+        text, calls = progress.on_event(ev)
+        head = b""
+        if not started:  # the first event (a start) says how much of the prompt was cached
+            started = True
+            prompt = Usage(len(progress.gen.prompt_tokens), 0, progress.usage.cached_tokens)
+            head = out.start(prompt)
+        data = head + out.text(text) + out.tool_calls(calls)
+        if ev.kind == "done":
+            return data + out.end(progress.finish_reason, progress.stop_str, progress.usage), True
+        return data, False
+
+    def written(batch: list[StreamEvent]) -> tuple[bytes, bool]:
+        """A read's events as one write, and whether it ends the stream (a sync step, so no
+        event stays bound while the next read is awaited)."""
+        parts = []
+        for ev in batch:
+            data, end = render(ev)
+            parts.append(data)
+            if end:
+                return b"".join(parts), True
+        return b"".join(parts), False
+
+    def deltas(batch: list[StreamEvent]) -> bytes:
+        """The lane's write of a read's token deltas (none of which ends the stream)."""
+        return written(batch)[0]
+
+    lane.render = deltas
+    async with aclosing(batches):
+        batch: list[StreamEvent] | None = first
+        del first  # the loop's own now: no read stays bound while the next is awaited
+        while batch is not None:
+            data, end = written(batch)
+            if end:
+                yield LastWrite(data)
                 return
             if data:
                 yield data
-            ev = await anext(events, None)
+            batch = None
+            batch = await anext(batches, None)

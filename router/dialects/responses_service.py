@@ -25,8 +25,16 @@ from router.dialects.responses_output import ResponseShape, output_items
 from router.dialects.responses_stream import OnDone, stream_response
 from router.edge.errors import APIError, validation_failure
 from router.edge.openai_types import ChatCompletionRequest
+from router.relay.direct_lane import DirectLane
 from router.relay.routed import RoutedRequest
-from router.relay.streams import collect, first_events, open_streams, served_by, sse_response
+from router.relay.streams import (
+    collect,
+    first_batches,
+    open_batches,
+    open_streams,
+    served_by,
+    sse_response,
+)
 from router.relay.submit import submit_chat
 from router.state import RouterState
 from shared.errors import ErrorKind
@@ -89,16 +97,18 @@ async def _relay(
     request: Request, state: RouterState, routed: RoutedRequest, shape: ResponseShape, save: OnDone
 ) -> Response:
     (progress,) = routed.start_relay()
-    (events,) = open_streams(request, state, routed)
     if not routed.stream:
+        (events,) = open_streams(request, state, routed)
         await collect(events, progress)
         output = output_items(progress)
         response = shape.finished(progress, output)
         await save(response, output)
         return JSONResponse(response, headers=served_by(progress.worker_id))
-    (first,) = await first_events([events])
-    body = stream_response(first, events, progress, shape, save)
-    return sse_response(body, first)
+    lane = DirectLane()
+    (batches,) = open_batches(request, state, routed, lane)
+    (first,) = await first_batches([batches])
+    body = stream_response(first, batches, progress, shape, save, lane)
+    return sse_response(body, first[0], coalesce=False, lane=lane)
 
 
 async def retrieve(state: RouterState, response_id: str) -> dict[str, Any]:

@@ -24,8 +24,9 @@ from router.dialects.responses_output import (
     text_part,
 )
 from router.edge.errors import APIError
+from router.relay.direct_lane import DirectLane
 from router.relay.progress import ChoiceProgress, error_for
-from router.relay.streams import Events, sse
+from router.relay.streams import Batches, LastWrite, sse
 from shared.wire import StreamEvent
 
 # Called with the finished response object and its output items before response.completed goes
@@ -151,34 +152,67 @@ def _response_code(err: APIError) -> str:
 
 
 async def stream_response(
-    first: StreamEvent,
-    events: Events,
+    first: list[StreamEvent],
+    batches: Batches,
     progress: ChoiceProgress,
     shape: ResponseShape,
     on_done: OnDone,
+    lane: DirectLane | None = None,
 ) -> AsyncIterator[bytes]:
-    """The SSE body of a response whose first event has come (the 200 is sent)."""
+    """The SSE body of a response whose first read has come (the 200 is sent), one write a
+    stream read; `lane` is given the renderer of its token deltas."""
     out = ResponseEvents(shape)
-    async with aclosing(events):
-        for data in out.start():
-            yield data
-        ev: StreamEvent | None = first
-        while ev is not None:
-            if ev.kind == "error":
-                for data in out.failed(error_for(ev)):
-                    yield data
-                return
+
+    def deltas(batch: list[StreamEvent]) -> bytes:
+        """Events that end nothing (a start, token deltas) as one write: the lane's, and the
+        loop's for a read's events before its end (a sync step, so no event stays bound while
+        the next read is awaited)."""
+        parts: list[bytes] = []
+        for ev in batch:
             text, calls = progress.on_event(ev)
-            pending = (out.text(text) if text else []) + (out.calls(calls) if calls else [])
-            for data in pending:
-                yield data
-            if ev.kind == "done":
-                response, last = out.finish(progress)
-                try:
-                    await on_done(response, out.items)
-                except APIError as err:  # not stored: the client must not count on it
-                    last = out.failed(err)
-                for data in last:
-                    yield data
+            if text:
+                parts += out.text(text)
+            if calls:
+                parts += out.calls(calls)
+        return b"".join(parts)
+
+    def until_end(batch: list[StreamEvent]) -> tuple[bytes, StreamEvent | None]:
+        """A read's events up to its `done` or `error` as one write, and that last event."""
+        for i, ev in enumerate(batch):
+            if ev.kind == "error" or ev.kind == "done":
+                return deltas(batch[:i]), ev
+        return deltas(batch), None
+
+    if lane is not None:
+        lane.render = deltas
+    async with aclosing(batches):
+        head = b"".join(out.start())
+        batch: list[StreamEvent] | None = first
+        del first  # the loop's own now: no read stays bound while the next is awaited
+        while batch is not None:
+            data, last = until_end(batch)
+            batch = None
+            if last is not None:
+                yield LastWrite(head + data + await _ending(last, out, progress, on_done))
                 return
-            ev = await anext(events, None)
+            if head + data:
+                yield head + data
+            head = b""
+            batch = await anext(batches, None)
+
+
+async def _ending(
+    last: StreamEvent, out: ResponseEvents, progress: ChoiceProgress, on_done: OnDone
+) -> bytes:
+    """The events of a response's end: its failure, or (a `done`) its last text and its
+    completion, once it is stored."""
+    if last.kind == "error":
+        return b"".join(out.failed(error_for(last)))
+    text, calls = progress.on_event(last)
+    parts = (out.text(text) if text else []) + (out.calls(calls) if calls else [])
+    response, ending = out.finish(progress)
+    try:
+        await on_done(response, out.items)
+    except APIError as err:  # not stored: the client must not count on it
+        ending = out.failed(err)
+    return b"".join(parts + ending)

@@ -82,7 +82,8 @@ def send_now(send: Send, message: Message) -> asyncio.Future[None] | None:
     only while the client's socket is full), else a task that goes on from its wait. Its error
     is raised here when it fails before waiting."""
     coro = send(message)
-    assert isinstance(coro, Coroutine)
+    if not isinstance(coro, Coroutine):  # another kind of awaitable: the task awaits it
+        return asyncio.ensure_future(coro)
     try:
         waited = coro.send(None)
     except StopIteration:
