@@ -147,6 +147,24 @@ def test_a_send_that_waits_goes_on_from_its_wait_and_a_cancel_reaches_it() -> No
     assert second == ["wait b", "left b"]
 
 
+def test_a_send_that_returns_another_awaitable_is_left_to_the_task() -> None:
+    sent: list[Any] = []
+
+    def send(message: Any) -> asyncio.Future[None]:  # an ASGI server of another kind
+        sent.append(message)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
+
+    async def run() -> bool:
+        pending = send_now(send, {"n": 1})  # type: ignore[arg-type]
+        assert pending is not None
+        await asyncio.wait_for(pending, 30)
+        return pending.done()
+
+    assert asyncio.run(run()) and sent == [{"n": 1}]
+
+
 def test_a_send_that_fails_before_any_wait_raises_in_the_call() -> None:
     async def send(message: Any) -> None:
         raise OSError("the client is gone")
