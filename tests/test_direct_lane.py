@@ -156,13 +156,13 @@ def test_a_send_that_returns_another_awaitable_is_left_to_the_task() -> None:
         done.set_result(None)
         return done
 
-    async def run() -> bool:
+    async def run() -> asyncio.Future[None] | None:
         pending = send_now(send, {"n": 1})  # type: ignore[arg-type]
-        assert pending is not None
-        await asyncio.wait_for(pending, 30)
-        return pending.done()
+        if pending is not None:
+            await asyncio.wait_for(pending, 30)
+        return pending
 
-    assert asyncio.run(run()) and sent == [{"n": 1}]
+    assert asyncio.run(run()) is not None and sent == [{"n": 1}]
 
 
 def test_a_send_that_fails_before_any_wait_raises_in_the_call() -> None:
@@ -244,13 +244,13 @@ def _response(
 
 
 async def _stream(
-    client: _Client, feed: Feed, body: Body = _completion
+    client: _Client, feed: Feed, body: Body = _completion, timeout_s: float = 60.0
 ) -> tuple[asyncio.Task[None], Attempt, DirectLane]:
     """A streamed answer (`body`: a completion's, by default) over `feed`, its first read (a
     start) taken and its response started: the response's task waits for the next read."""
     gen = GenerationRequest(request_id="lane", model="m", prompt_tokens=[1], max_tokens=99)
     attempt, lane = Attempt(gen), DirectLane()
-    watch = Watch(attempt, feed, None, False, 60.0, _none, _none, lane=lane)  # type: ignore[arg-type]
+    watch = Watch(attempt, feed, None, False, timeout_s, _none, _none, lane=lane)  # type: ignore[arg-type]
     batches = watch.batches()
     feed.push([_entry(0, "start")])
     first = await anext(batches)
@@ -358,6 +358,83 @@ def test_a_send_that_waits_for_the_client_closes_the_lane_and_what_follows_goes_
     text = b"".join(bodies)
     at = [text.index(b'"t%d"' % i) for i in range(1, 5)]
     assert at == sorted(at) and bodies[-1].endswith(b"data: [DONE]\n\n")
+
+
+def test_a_cancel_while_a_lane_write_waits_ends_that_write_with_the_task() -> None:
+    """The client left (its response's task is cancelled) right after the lane's write woke the
+    task to wait for it, before the task ran: that write ends with the task, unwritten."""
+
+    async def run() -> tuple[bool, list[bytes]]:
+        deadlines = Deadlines()
+        feed, client = Feed(deadlines), _Client()
+        try:
+            task, _, _ = await _stream(client, feed)
+            client.drained.clear()
+            feed.push([_entry(1)])  # its write waits, and wakes the task
+            task.cancel()  # before the task has run
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            client.drained.set()
+            await _passes()
+            return task.cancelled(), client.bodies()
+        finally:
+            deadlines.close()
+
+    cancelled, bodies = asyncio.run(run())
+    assert cancelled and bodies == []
+
+
+def test_a_read_that_comes_after_the_task_was_cancelled_is_not_offered_to_the_lane() -> None:
+    async def run() -> list[dict[str, Any]]:
+        deadlines = Deadlines()
+        feed, client = Feed(deadlines), _Client()
+        try:
+            task, _, _ = await _stream(client, feed)
+            task.cancel()  # the client left; the task has not run its cancel yet
+            feed.push([_entry(1)])
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return client.entered
+        finally:
+            deadlines.close()
+
+    assert [m["type"] for m in asyncio.run(run())] == ["http.response.start"]
+
+
+def test_an_entry_the_lane_cannot_decode_fails_its_request_not_the_hubs_callback() -> None:
+    async def run() -> list[bytes]:
+        deadlines = Deadlines()
+        feed, client = Feed(deadlines), _Client()
+        try:
+            task, _, _ = await _stream(client, feed)
+            feed.push([_entry(1)])
+            feed.push([[b"3-0", None]])  # no fields at all: decode_entry raises TypeError
+            with pytest.raises(TypeError):
+                await asyncio.wait_for(task, 30)
+            return client.bodies()
+        finally:
+            deadlines.close()
+
+    bodies = asyncio.run(run())
+    assert len(bodies) == 1 and b'"t1"' in bodies[0]
+
+
+def test_a_stream_quiet_after_its_lane_relayed_still_times_out() -> None:
+    """Tokens by the lane wake no task; when they stop, the watch's quiet checks still come."""
+
+    async def run() -> list[bytes]:
+        deadlines = Deadlines()
+        feed, client = Feed(deadlines), _Client()
+        try:
+            task, _, _ = await _stream(client, feed, timeout_s=0.5)
+            feed.push([_entry(1)])
+            await asyncio.wait_for(task, 30)  # no more entries: the request's timeout ends it
+            return client.bodies()
+        finally:
+            deadlines.close()
+
+    bodies = asyncio.run(run())
+    assert b'"t1"' in bodies[0] and b"no response from a worker in 0.5s" in bodies[-1]
 
 
 def test_a_send_that_fails_in_the_lane_fails_the_response() -> None:

@@ -164,9 +164,9 @@ async def stream_response(
     out = ResponseEvents(shape)
 
     def deltas(batch: list[StreamEvent]) -> bytes:
-        """Events that end nothing (a start, token deltas) as one write: the lane's, and the
-        loop's for a read's events before its end (a sync step, so no event stays bound while
-        the next read is awaited)."""
+        """Events' text and tool calls as one write: the lane's token deltas, a read's events
+        before its end, a `done`'s last text (a sync step, so no event stays bound while the
+        next read is awaited)."""
         parts: list[bytes] = []
         for ev in batch:
             text, calls = progress.on_event(ev)
@@ -192,27 +192,26 @@ async def stream_response(
         while batch is not None:
             data, last = until_end(batch)
             batch = None
-            if last is not None:
-                yield LastWrite(head + data + await _ending(last, out, progress, on_done))
+            if last is not None and last.kind == "error":
+                yield LastWrite(head + data + b"".join(out.failed(error_for(last))))
                 return
+            if last is not None:  # a `done`: its own text first, then the stored response
+                data += deltas([last])
             if head + data:
                 yield head + data
             head = b""
+            if last is not None:
+                yield LastWrite(await _finished(out, progress, on_done))
+                return
             batch = await anext(batches, None)
 
 
-async def _ending(
-    last: StreamEvent, out: ResponseEvents, progress: ChoiceProgress, on_done: OnDone
-) -> bytes:
-    """The events of a response's end: its failure, or (a `done`) its last text and its
-    completion, once it is stored."""
-    if last.kind == "error":
-        return b"".join(out.failed(error_for(last)))
-    text, calls = progress.on_event(last)
-    parts = (out.text(text) if text else []) + (out.calls(calls) if calls else [])
+async def _finished(out: ResponseEvents, progress: ChoiceProgress, on_done: OnDone) -> bytes:
+    """The events that end a finished response, once it is stored (or its failure, if it
+    could not be)."""
     response, ending = out.finish(progress)
     try:
         await on_done(response, out.items)
     except APIError as err:  # not stored: the client must not count on it
         ending = out.failed(err)
-    return b"".join(parts + ending)
+    return b"".join(ending)

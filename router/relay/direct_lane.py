@@ -11,7 +11,8 @@ order: the task's wait ends, and the lane closes, before any entry the lane refu
 
 A send that must wait (the client's socket is full: uvicorn waits for it to drain) or fails
 closes the lane and wakes the task, which waits for that send or raises its error (`settled`)
-before it takes anything else.
+before it relays anything else; a task cancelled meanwhile (its client left) cancels that send
+(`abandon`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ Render = Callable[[list[StreamEvent]], bytes]
 
 
 class DirectLane:
-    """One streamed choice's lane: its renderer (openai_render._chunks sets it), its ASGI send
+    """One streamed choice's lane: its renderer (the body that renders the choice's stream sets
+    it: openai_render._chunks, the Messages and Responses bodies), its ASGI send
     (streams.SSEResponse sets it), and what became of its last write."""
 
     __slots__ = ("render", "send", "relayed", "_pending", "_failure")
@@ -38,7 +40,8 @@ class DirectLane:
     def __init__(self) -> None:
         self.render: Render | None = None
         self.send: Send | None = None
-        # A delta went out by the lane: the request has streamed tokens (no second attempt).
+        # The lane took a read of deltas (sent, held back by the renderer, or its write left to
+        # the task): the request has streamed tokens, and gets no second attempt.
         self.relayed = False
         self._pending: asyncio.Future[None] | None = None  # a send waiting for the client
         self._failure: Exception | None = None  # what the last write raised
@@ -66,6 +69,12 @@ class DirectLane:
         except Exception as exc:  # the task's own send would have raised it: it raises it
             self._failure = exc
         return self._pending is None and self._failure is None
+
+    def abandon(self) -> None:
+        """The task was cancelled (its client left): a write still waiting for the client ends."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.cancel()
 
     async def settled(self) -> None:
         """The lane's last write to its end, or its error raised: before the task writes."""

@@ -164,11 +164,18 @@ class Feed:
         self._sink: Sink | None = None
 
     def push(self, entries: list[RawEntry]) -> None:
-        sink = self._sink
-        if sink is not None and not self._entries and sink(entries):
+        if self._offered(entries):
             return  # relayed: the reader's wait goes on
         self._entries.extend(entries)
         self.wake()
+
+    def _offered(self, entries: list[RawEntry]) -> bool:
+        """Whether the sink took them: it is offered a read only while its reader waits (not
+        woken, not cancelled) with nothing taken."""
+        sink, waiter = self._sink, self._waiter
+        if sink is None or self._entries or waiter is None or waiter.done():
+            return False
+        return sink(entries)
 
     def wake(self) -> None:
         # The reader runs next: what comes after this waits for it, behind what it takes.

@@ -175,6 +175,9 @@ def sse_response(
     are a stream read's writes each, sent as they come, the last a LastWrite), the SSE headers
     (the worker that took the request, from its first event); `lane`: the direct lane of the
     choice that `chunks` renders (not coalesced)."""
+    # A lane writes between the body's own writes, which only a body that makes its chunks in
+    # the response's task (not coalesced's task of its own) leaves room for.
+    assert lane is None or not coalesce, "a lane's body is not coalesced"
     body = coalesced(chunks) if coalesce else chunks
     response = SSEResponse(body, media_type="text/event-stream", headers=sse_headers(first))
     response.lane = lane

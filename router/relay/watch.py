@@ -9,6 +9,7 @@ The watch is a small state machine over what rq last said of the job (`Phase`); 
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ CLIENT_CHECK_S = 0.05
 # JOB_CHECK_INTERVAL_S apart) mean the take was lost (a failover cut it short), and no worker
 # will run the job.
 STRANDED_CHECKS = 2
+
+log = logging.getLogger(__name__)
 
 JOB_FAILED = ErrorKind.JOB_FAILED
 
@@ -62,6 +65,7 @@ class Watch:
     next_job_check: float = 0.0
     next_client_check: float = 0.0
     off_queue_checks: int = 0  # job checks in a row that found the job queued on no queue
+    lane_takes: int = 0  # reads the lane took (a wait that ends on none of its own had some)
 
     def __post_init__(self) -> None:
         self.next_job_check = self.last_event_at + JOB_CHECK_INTERVAL_S
@@ -70,17 +74,27 @@ class Watch:
     async def batches(self) -> AsyncIterator[list[StreamEvent]]:
         """The events in order, each list what one stream read brought (never empty)."""
         lane = self.lane
+        wait_s = IDLE_CHECK_S
         while True:
             entries = self.feed.take()
             if not entries:
-                relayed_at = self.last_event_at
+                taken = self.lane_takes
                 sink = self.take_direct if lane is not None and lane.open else None
-                if await self.feed.wait(IDLE_CHECK_S, sink):
-                    entries = self.feed.take()
+                try:
+                    if await self.feed.wait(wait_s, sink):
+                        entries = self.feed.take()
+                except BaseException:  # cancelled (the client left): no write of the lane's
+                    if lane is not None:  # goes on for nobody
+                        lane.abandon()
+                    raise
                 if lane is not None:
                     await lane.settled()  # its last write done before any of this task's
-                if not entries and self.last_event_at != relayed_at:
-                    continue  # the lane relayed what came: no quiet wait
+                if not entries and self.lane_takes != taken:
+                    # The lane relayed what came: the quiet checks come IDLE_CHECK_S after the
+                    # last event, as when this loop relays it.
+                    wait_s = max(self.last_event_at + IDLE_CHECK_S - time.monotonic(), 0.0)
+                    continue
+                wait_s = IDLE_CHECK_S
             now = time.monotonic()
             if entries:
                 batch, end = self._read(entries)
@@ -109,28 +123,41 @@ class Watch:
                 return
 
     def take_direct(self, entries: list[RawEntry]) -> bool:
-        """The feed's sink while this watch waits: a read's entries relayed by the lane when
-        each is the attempt's next token delta (True), else all of them left to the loop above,
-        which relays or ends on them as ever (False)."""
+        """The feed's sink while this watch waits: a read's entries taken by the lane when each
+        is the attempt's next token delta (True: relayed, or their write left to this task),
+        else all of them left to the loop above, which relays or ends on them as ever (False).
+        It runs in the hub's callback, so it raises nothing: what it cannot decode is the
+        loop's to fail on."""
         lane = self.lane
         if lane is None or not lane.open:  # its last write still waits for the client
             return False
+        try:
+            events = self._next_deltas(entries)
+            if events is None:
+                return False
+            prints = [fingerprint(event) for event in events]
+        except Exception:
+            log.exception("request %s: the direct lane could not take a read", self.attempt.job_id)
+            return False
+        self.attempt.said.extend(prints)
+        self.last_event_at = time.monotonic()
+        self.lane_takes += 1
+        if not lane.relay(events):  # its write waits for the client, or failed: the task's now
+            self.feed.wake()
+        return True
+
+    def _next_deltas(self, entries: list[RawEntry]) -> list[StreamEvent] | None:
+        """The entries' events when each is the attempt's next token delta, else None."""
         seq = self.attempt.next_seq
         events: list[StreamEvent] = []
         for entry_id, fields in entries:
             event = decode_entry(fields)
             if event.kind != "delta" or event.seq != seq:
-                return False
+                return None
             event.written_ms = entry_ms(entry_id)
             events.append(event)
             seq += 1
-        said = self.attempt.said
-        for event in events:
-            said.append(fingerprint(event))
-        self.last_event_at = time.monotonic()
-        if not lane.relay(events):  # its write waits for the client, or failed: the task's now
-            self.feed.wake()
-        return True
+        return events
 
     def _read(self, entries: list[RawEntry]) -> tuple[list[StreamEvent], bool]:
         """(the events of one read to relay, whether the watch ends with them)."""
