@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from types import SimpleNamespace
 from typing import Any
 
@@ -263,19 +264,28 @@ async def _stream(
     return task, attempt, lane
 
 
+@asynccontextmanager
+async def _streamed(
+    body: Body = _completion, timeout_s: float = 60.0
+) -> AsyncIterator[tuple[asyncio.Task[None], Attempt, DirectLane, Feed, _Client]]:
+    """_stream over a feed and a client of its own: (its task, attempt, lane, feed, client)."""
+    deadlines = Deadlines()
+    feed, client = Feed(deadlines), _Client()
+    try:
+        task, attempt, lane = await _stream(client, feed, body, timeout_s)
+        yield task, attempt, lane, feed, client
+    finally:
+        deadlines.close()
+
+
 def test_a_reads_token_deltas_go_out_in_the_hubs_callback_and_the_end_by_the_task() -> None:
     async def run() -> tuple[list[bytes], list[bytes], int, bool]:
-        deadlines = Deadlines()
-        feed, client = Feed(deadlines), _Client()
-        try:
-            task, attempt, lane = await _stream(client, feed)
+        async with _streamed() as (task, attempt, lane, feed, client):
             feed.push([_entry(1), _entry(2)])
             in_the_call = client.bodies()  # before any loop pass
             feed.push([_entry(3), _entry(4, "done")])  # the end: the task's
             await asyncio.wait_for(task, 30)
             return in_the_call, client.bodies(), attempt.next_seq, lane.relayed
-        finally:
-            deadlines.close()
 
     in_the_call, bodies, next_seq, relayed = asyncio.run(run())
     assert len(in_the_call) == 1 and b'"t1"' in in_the_call[0] and b'"t2"' in in_the_call[0]
@@ -294,18 +304,13 @@ def test_the_messages_and_responses_streams_deltas_go_out_by_their_lanes(
     body: Body, delta: bytes, end: bytes
 ) -> None:
     async def run() -> tuple[list[bytes], list[bytes]]:
-        deadlines = Deadlines()
-        feed, client = Feed(deadlines), _Client()
-        try:
-            task, _, _ = await _stream(client, feed, body)
+        async with _streamed(body) as (task, _, _, feed, client):
             before = len(client.bodies())
             feed.push([_entry(1), _entry(2)])
             in_the_call = client.bodies()[before:]  # before any loop pass
             feed.push([_entry(3, "done")])
             await asyncio.wait_for(task, 30)
             return in_the_call, client.bodies()
-        finally:
-            deadlines.close()
 
     in_the_call, bodies = asyncio.run(run())
     assert len(in_the_call) == 1 and in_the_call[0].count(delta) == 2
@@ -315,17 +320,12 @@ def test_the_messages_and_responses_streams_deltas_go_out_by_their_lanes(
 
 def test_a_gap_is_the_tasks_to_end_on_as_ever() -> None:
     async def run() -> list[bytes]:
-        deadlines = Deadlines()
-        feed, client = Feed(deadlines), _Client()
-        try:
-            task, _, _ = await _stream(client, feed)
+        async with _streamed() as (task, _, _, feed, client):
             feed.push([_entry(1)])
             feed.push([_entry(3)])  # seq 2 lost
             assert len(client.bodies()) == 1  # refused: not written in the call
             await asyncio.wait_for(task, 30)
             return client.bodies()
-        finally:
-            deadlines.close()
 
     bodies = asyncio.run(run())
     assert b'"t1"' in bodies[0] and b"lost events 2..2" in bodies[1]
@@ -334,10 +334,7 @@ def test_a_gap_is_the_tasks_to_end_on_as_ever() -> None:
 
 def test_a_send_that_waits_for_the_client_closes_the_lane_and_what_follows_goes_after_it() -> None:
     async def run() -> list[bytes]:
-        deadlines = Deadlines()
-        feed, client = Feed(deadlines), _Client()
-        try:
-            task, _, lane = await _stream(client, feed)
+        async with _streamed() as (task, _, lane, feed, client):
             client.drained.clear()  # the client's socket is full
             feed.push([_entry(1)])
             assert not lane.open
@@ -351,8 +348,6 @@ def test_a_send_that_waits_for_the_client_closes_the_lane_and_what_follows_goes_
             feed.push([_entry(4), _entry(5, "done")])
             await asyncio.wait_for(task, 30)
             return client.bodies()
-        finally:
-            deadlines.close()
 
     bodies = asyncio.run(run())
     text = b"".join(bodies)
@@ -365,10 +360,7 @@ def test_a_cancel_while_a_lane_write_waits_ends_that_write_with_the_task() -> No
     task to wait for it, before the task ran: that write ends with the task, unwritten."""
 
     async def run() -> tuple[bool, list[bytes]]:
-        deadlines = Deadlines()
-        feed, client = Feed(deadlines), _Client()
-        try:
-            task, _, _ = await _stream(client, feed)
+        async with _streamed() as (task, _, _, feed, client):
             client.drained.clear()
             feed.push([_entry(1)])  # its write waits, and wakes the task
             task.cancel()  # before the task has run
@@ -377,8 +369,6 @@ def test_a_cancel_while_a_lane_write_waits_ends_that_write_with_the_task() -> No
             client.drained.set()
             await _passes()
             return task.cancelled(), client.bodies()
-        finally:
-            deadlines.close()
 
     cancelled, bodies = asyncio.run(run())
     assert cancelled and bodies == []
@@ -386,34 +376,24 @@ def test_a_cancel_while_a_lane_write_waits_ends_that_write_with_the_task() -> No
 
 def test_a_read_that_comes_after_the_task_was_cancelled_is_not_offered_to_the_lane() -> None:
     async def run() -> list[dict[str, Any]]:
-        deadlines = Deadlines()
-        feed, client = Feed(deadlines), _Client()
-        try:
-            task, _, _ = await _stream(client, feed)
+        async with _streamed() as (task, _, _, feed, client):
             task.cancel()  # the client left; the task has not run its cancel yet
             feed.push([_entry(1)])
             with pytest.raises(asyncio.CancelledError):
                 await task
             return client.entered
-        finally:
-            deadlines.close()
 
     assert [m["type"] for m in asyncio.run(run())] == ["http.response.start"]
 
 
 def test_an_entry_the_lane_cannot_decode_fails_its_request_not_the_hubs_callback() -> None:
     async def run() -> list[bytes]:
-        deadlines = Deadlines()
-        feed, client = Feed(deadlines), _Client()
-        try:
-            task, _, _ = await _stream(client, feed)
+        async with _streamed() as (task, _, _, feed, client):
             feed.push([_entry(1)])
             feed.push([[b"3-0", None]])  # no fields at all: decode_entry raises TypeError
             with pytest.raises(TypeError):
                 await asyncio.wait_for(task, 30)
             return client.bodies()
-        finally:
-            deadlines.close()
 
     bodies = asyncio.run(run())
     assert len(bodies) == 1 and b'"t1"' in bodies[0]
@@ -423,15 +403,10 @@ def test_a_stream_quiet_after_its_lane_relayed_still_times_out() -> None:
     """Tokens by the lane wake no task; when they stop, the watch's quiet checks still come."""
 
     async def run() -> list[bytes]:
-        deadlines = Deadlines()
-        feed, client = Feed(deadlines), _Client()
-        try:
-            task, _, _ = await _stream(client, feed, timeout_s=0.5)
+        async with _streamed(timeout_s=0.5) as (task, _, _, feed, client):
             feed.push([_entry(1)])
             await asyncio.wait_for(task, 30)  # no more entries: the request's timeout ends it
             return client.bodies()
-        finally:
-            deadlines.close()
 
     bodies = asyncio.run(run())
     assert b'"t1"' in bodies[0] and b"no response from a worker in 0.5s" in bodies[-1]
@@ -439,15 +414,10 @@ def test_a_stream_quiet_after_its_lane_relayed_still_times_out() -> None:
 
 def test_a_send_that_fails_in_the_lane_fails_the_response() -> None:
     async def run() -> None:
-        deadlines = Deadlines()
-        feed, client = Feed(deadlines), _Client()
-        try:
-            task, _, _ = await _stream(client, feed)
+        async with _streamed() as (task, _, _, feed, client):
             client.fail = OSError("the client is gone")
             feed.push([_entry(1)])
             await asyncio.wait_for(task, 30)
-        finally:
-            deadlines.close()
 
     with pytest.raises(OSError, match="the client is gone"):
         asyncio.run(run())
