@@ -7,13 +7,19 @@ response. The feed offers a sink only what comes while its reader waits with not
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
+import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import uvicorn
 
+from mlxcel_pool.redis_server import free_port
 from router.dialects import anthropic_service
 from router.dialects.anthropic_render import MessageShape
 from router.dialects.responses import ResponsesRequest
@@ -421,3 +427,105 @@ def test_a_send_that_fails_in_the_lane_fails_the_response() -> None:
 
     with pytest.raises(OSError, match="the client is gone"):
         asyncio.run(run())
+
+
+# --- under uvicorn, a client that stops reading ----------------------------------------------
+
+MB_TEXT = "x" * 1_000_000
+
+
+class _LaneApp:
+    """One streamed completion over a feed the test pushes into from its own thread."""
+
+    def __init__(self) -> None:
+        self.ready = threading.Event()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.feed: Feed | None = None
+        self.lane: DirectLane | None = None
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        assert scope["type"] == "http"
+        deadlines = Deadlines()
+        feed = Feed(deadlines)
+        gen = GenerationRequest(request_id="lane", model="m", prompt_tokens=[1], max_tokens=99)
+        lane = DirectLane()
+        watch = Watch(Attempt(gen), feed, None, False, 60.0, _none, _none, lane=lane)  # type: ignore[arg-type]
+        batches = watch.batches()
+        feed.push([_entry(0, "start")])
+        first = await anext(batches)
+        chunks = _completion(first, batches, ChoiceProgress(gen), lane)
+        response = sse_response(chunks, first[0], coalesce=False, lane=lane)
+        self.loop, self.feed, self.lane = asyncio.get_running_loop(), feed, lane
+        self.ready.set()
+        try:
+            await response(scope, receive, send)
+        finally:
+            deadlines.close()
+
+    def push(self, entry: RawEntry) -> None:
+        assert self.loop is not None and self.feed is not None
+        self.loop.call_soon_threadsafe(self.feed.push, [entry])
+
+
+def test_under_uvicorn_a_client_that_stops_reading_gets_every_write_in_order() -> None:
+    """uvicorn's send waits while the client's socket and its own buffer are full: the lane's
+    write then goes on in the response's task, the lane closes, and the reads that come
+    meanwhile follow it. Read at last, the body holds every token once, in order."""
+    app = _LaneApp()
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.settimeout(60)
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: lane\r\nConnection: close\r\n\r\n")
+            assert app.ready.wait(30)
+            while not (app.lane and app.lane.open):  # the response's task waits on its lane
+                assert time.monotonic() < deadline + 30, "the lane never opened"
+                time.sleep(0.01)
+            closed = False
+            for seq in range(1, 13):  # 12 MB: past the kernel's send buffer (4 MB at most)
+                app.push(_entry(seq, text=f"{seq}{MB_TEXT}"))
+                time.sleep(0.05)
+                closed = closed or not (app.lane and app.lane.open)
+            app.push(_entry(13, "done"))
+            head, body = _read_chunked(sock)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    assert head.startswith(b"HTTP/1.1 200") and closed  # a write waited for the client
+    events = [line[6:] for line in body.decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    texts = [json.loads(e)["choices"][0]["text"] for e in events[:-1]]
+    assert [t for t in texts if t] == [f"{seq}{MB_TEXT}" for seq in range(1, 13)]
+
+
+def _read_chunked(sock: socket.socket) -> tuple[bytes, bytes]:
+    """An HTTP/1.1 response read to its end: its head, and its body with the chunked transfer
+    coding undone."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(1 << 20)
+    head, _, rest = data.partition(b"\r\n\r\n")
+    parts: list[bytes] = []
+    while True:
+        while b"\r\n" not in rest:
+            rest += sock.recv(1 << 20)
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line, 16)
+        while len(rest) < size + 2:
+            more = sock.recv(1 << 20)
+            assert more, "the connection closed mid-body"
+            rest += more
+        if size == 0:
+            return head, b"".join(parts)
+        parts.append(rest[:size])
+        rest = rest[size + 2 :]

@@ -77,10 +77,13 @@ class DirectLane:
             pending.cancel()
 
     async def settled(self) -> None:
-        """The lane's last write to its end, or its error raised: before the task writes."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            await pending
+        """The lane's last write to its end, or its error raised: before the task writes. The
+        lane stays closed until then."""
+        if self._pending is not None:
+            try:
+                await self._pending
+            finally:
+                self._pending = None
         failure, self._failure = self._failure, None
         if failure is not None:
             raise failure
