@@ -72,7 +72,8 @@ class Watch:
         self.next_client_check = self.last_event_at + CLIENT_CHECK_S
 
     async def batches(self) -> AsyncIterator[list[StreamEvent]]:
-        """The events in order, each list what one stream read brought (never empty)."""
+        """The events in order, each list what one stream read brought (never empty), less the
+        reads of token deltas the lane relayed itself (take_direct)."""
         lane = self.lane
         wait_s = IDLE_CHECK_S
         while True:
