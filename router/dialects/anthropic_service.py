@@ -31,11 +31,9 @@ from router.relay.streams import (
     Batches,
     LastWrite,
     collect,
-    first_batches,
-    open_batches,
+    lane_response,
     open_streams,
     served_by,
-    sse_response,
 )
 from router.relay.submit import submit_chat
 from router.state import RouterState
@@ -63,11 +61,11 @@ async def create_message(
             progress.usage,
         )
         return JSONResponse(answer, headers=served_by(progress.worker_id))
-    lane = DirectLane()
-    (batches,) = open_batches(request, state, routed, lane)
-    (first,) = await first_batches([batches])
-    chunks = _chunks(first, batches, progress, shape, lane)
-    return sse_response(chunks, first[0], coalesce=False, lane=lane)
+
+    def body(first: list[StreamEvent], batches: Batches, lane: DirectLane) -> AsyncIterator[bytes]:
+        return _chunks(first, batches, progress, shape, lane)
+
+    return await lane_response(request, state, routed, body)
 
 
 async def count_tokens(body: CountTokensRequest, state: RouterState) -> dict[str, Any]:

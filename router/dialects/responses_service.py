@@ -3,6 +3,7 @@ retrieve and delete a stored response."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 import redis
@@ -27,17 +28,11 @@ from router.edge.errors import APIError, validation_failure
 from router.edge.openai_types import ChatCompletionRequest
 from router.relay.direct_lane import DirectLane
 from router.relay.routed import RoutedRequest
-from router.relay.streams import (
-    collect,
-    first_batches,
-    open_batches,
-    open_streams,
-    served_by,
-    sse_response,
-)
+from router.relay.streams import Batches, collect, lane_response, open_streams, served_by
 from router.relay.submit import submit_chat
 from router.state import RouterState
 from shared.errors import ErrorKind
+from shared.wire import StreamEvent
 
 
 def response_store(state: RouterState) -> ResponseStore:
@@ -104,11 +99,11 @@ async def _relay(
         response = shape.finished(progress, output)
         await save(response, output)
         return JSONResponse(response, headers=served_by(progress.worker_id))
-    lane = DirectLane()
-    (batches,) = open_batches(request, state, routed, lane)
-    (first,) = await first_batches([batches])
-    body = stream_response(first, batches, progress, shape, save, lane)
-    return sse_response(body, first[0], coalesce=False, lane=lane)
+
+    def body(first: list[StreamEvent], batches: Batches, lane: DirectLane) -> AsyncIterator[bytes]:
+        return stream_response(first, batches, progress, shape, save, lane)
+
+    return await lane_response(request, state, routed, body)
 
 
 async def retrieve(state: RouterState, response_id: str) -> dict[str, Any]:

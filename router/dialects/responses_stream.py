@@ -157,7 +157,7 @@ async def stream_response(
     progress: ChoiceProgress,
     shape: ResponseShape,
     on_done: OnDone,
-    lane: DirectLane | None = None,
+    lane: DirectLane,
 ) -> AsyncIterator[bytes]:
     """The SSE body of a response whose first read has come (the 200 is sent), one write a
     stream read; `lane` is given the renderer of its token deltas."""
@@ -183,8 +183,7 @@ async def stream_response(
                 return deltas(batch[:i]), ev
         return deltas(batch), None
 
-    if lane is not None:
-        lane.render = deltas
+    lane.render = deltas
     async with aclosing(batches):
         head = b"".join(out.start())
         batch: list[StreamEvent] | None = first

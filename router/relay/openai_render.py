@@ -23,6 +23,7 @@ from router.relay.streams import (
     LastWrite,
     collect_all,
     first_batches,
+    lane_response,
     open_batches,
     open_streams,
     served_by,
@@ -48,11 +49,13 @@ async def respond(request: Request, state: RouterState, routed: RoutedRequest) -
         body = _body(fmt, progress, renderer)
         return JSONResponse(body, headers=served_by(progress[0].worker_id))
     if len(routed.gens) == 1:  # one write a stream read already, token deltas by its lane
-        lane = DirectLane()
-        batches = open_batches(request, state, routed, lane)
-        firsts = await first_batches(batches)
-        chunks = _chunks(firsts[0], batches[0], routed, progress[0], renderer, lane=lane)
-        return sse_response(chunks, firsts[0][0], coalesce=False, lane=lane)
+
+        def body(
+            first: list[StreamEvent], batches: Batches, lane: DirectLane
+        ) -> AsyncIterator[bytes]:
+            return _chunks(first, batches, routed, progress[0], renderer, lane=lane)
+
+        return await lane_response(request, state, routed, body)
     batches = open_batches(request, state, routed)
     firsts = await first_batches(batches)
     chunks = _merged(list(zip(firsts, batches, progress, strict=True)), routed, renderer)

@@ -164,18 +164,19 @@ class Feed:
         self._sink: Sink | None = None
 
     def push(self, entries: list[RawEntry]) -> None:
-        if self._offered(entries):
-            return  # relayed: the reader's wait goes on
+        sink, waiter = self._sink, self._waiter
+        # The sink is offered a read only while its reader waits (not woken, not cancelled)
+        # with nothing taken; taken, the reader's wait goes on.
+        if (
+            sink is not None
+            and waiter is not None
+            and not waiter.done()
+            and not self._entries
+            and sink(entries)
+        ):
+            return
         self._entries.extend(entries)
         self.wake()
-
-    def _offered(self, entries: list[RawEntry]) -> bool:
-        """Whether the sink took them: it is offered a read only while its reader waits (not
-        woken, not cancelled) with nothing taken."""
-        sink, waiter = self._sink, self._waiter
-        if sink is None or self._entries or waiter is None or waiter.done():
-            return False
-        return sink(entries)
 
     def wake(self) -> None:
         # The reader runs next: what comes after this waits for it, behind what it takes.

@@ -184,6 +184,23 @@ def sse_response(
     return response
 
 
+# A streamed choice's body: its SSE writes from its first read, its later reads and its lane
+# (given the renderer of its token deltas).
+LaneBody = Callable[[list[StreamEvent], Batches, DirectLane], AsyncIterator[bytes]]
+
+
+async def lane_response(
+    request: Request, state: RouterState, routed: RoutedRequest, body: LaneBody
+) -> StreamingResponse:
+    """A one-choice stream, one write a stream read, its token deltas by its direct lane: its
+    reads opened, its first awaited before the 200 (so an early failure keeps its status code),
+    its writes made by `body`."""
+    lane = DirectLane()
+    (batches,) = open_batches(request, state, routed, lane)
+    (first,) = await first_batches([batches])
+    return sse_response(body(first, batches, lane), first[0], coalesce=False, lane=lane)
+
+
 def open_streams(request: Request, state: RouterState, routed: RoutedRequest) -> list[Events]:
     """Each choice's events (routed.start_relay() made their progress)."""
     return [
